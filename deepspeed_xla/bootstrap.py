@@ -1,0 +1,64 @@
+"""Startup hook: make ``DS_ACCELERATOR=xla`` work in every Python process.
+
+``deepspeed_xla.pth`` (installed into site-packages) runs ``install()`` at interpreter start, in the
+``deepspeed`` runner, ``deepspeed.launcher.launch``, every worker, pdsh/mpirun children and pytest.
+
+DeepSpeed has no plugin mechanism and captures its accelerator while ``import deepspeed`` is still
+running, so the only reliable moment to register is right after ``real_accelerator``'s module body
+ran. A ``sys.meta_path`` finder wraps exactly that module. Nothing here imports torch or deepspeed:
+this file costs every Python process a few stat calls and must stay that cheap (only os/sys).
+"""
+import os
+import sys
+
+ACCELERATOR_NAME = "xla"
+
+# module -> (our module, function) run right after that module's body executed.
+_AFTER_IMPORT = {
+    "deepspeed.accelerator.real_accelerator": ("deepspeed_xla.registration", "on_real_accelerator_loaded"),
+    "deepspeed.runtime.engine": ("deepspeed_xla.patches", "on_module_loaded"),
+}
+
+
+class _DeepSpeedFinder:
+    """Meta-path finder that wraps the loaders of the few DeepSpeed modules we hook."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _AFTER_IMPORT:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _WrappingLoader(spec.loader, _AFTER_IMPORT[fullname])
+                return spec
+        return None
+
+
+class _WrappingLoader:
+
+    def __init__(self, loader, hook):
+        self._loader = loader
+        self._hook = hook
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        import importlib
+        module_name, function = self._hook
+        getattr(importlib.import_module(module_name), function)(module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+def install() -> None:
+    """Install the finder once per interpreter (``DS_XLA_DISABLE_HOOK=1`` turns it off)."""
+    if os.environ.get("DS_XLA_DISABLE_HOOK") == "1":
+        return
+    if any(isinstance(f, _DeepSpeedFinder) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _DeepSpeedFinder())

@@ -1,0 +1,76 @@
+"""What differs between kinds of XLA device, and nothing else.
+
+Every device-type difference (how to count devices without starting PJRT, the per-process
+environment, the comm backend, dtypes, memory figures) is a method here. Modules above this layer
+never branch on the device type: they ask ``current_device_type()``.
+"""
+import os
+from abc import ABC, abstractmethod
+from typing import Dict, List, Mapping, MutableMapping, Optional
+
+
+class DeviceType(ABC):
+    """One PJRT device type (``PJRT_DEVICE`` value), e.g. CPU or TPU."""
+
+    #: The ``PJRT_DEVICE`` value this class serves.
+    pjrt_name: str = ""
+    #: The per-node variable the ``deepspeed`` runner reads as ``--include localhost:<value>``.
+    visible_devices_env: str = ""
+    #: Whether XLA itself connects the processes (then PJRT needs the multi-process topology).
+    has_xla_collectives: bool = False
+
+    @abstractmethod
+    def is_present(self) -> bool:
+        """True when this host has such devices; must not start the XLA runtime."""
+
+    @abstractmethod
+    def local_device_count(self) -> int:
+        """Devices on this host (= processes the launcher may start); must not start the runtime."""
+
+    @abstractmethod
+    def configure_process(self, local_rank: int, local_size: int, node_rank: int,
+                          env: MutableMapping[str, str]) -> None:
+        """Write this process's PJRT topology into ``env`` before the runtime starts."""
+
+    @abstractmethod
+    def communication_backend(self) -> str:
+        """torch.distributed backend name for processes of this device type."""
+
+    def is_bf16_supported(self) -> bool:
+        return True
+
+    def is_fp16_supported(self) -> bool:
+        return False
+
+    def is_fp64_supported(self) -> bool:
+        return False
+
+    def memory_info(self, device) -> Optional[Dict[str, int]]:
+        """``{bytes_used, bytes_limit, peak_bytes_used}`` from the runtime, or None if it has none."""
+        from deepspeed_xla import xla_runtime
+        try:
+            return dict(xla_runtime.memory_info(device))
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def export_env_prefixes(self) -> List[str]:
+        """Variable-name prefixes the multi-node runner forwards to other hosts."""
+        return ["PJRT_", "XLA_", "DS_XLA_", "DS_ACCELERATOR"]
+
+
+def int_env(env: Mapping[str, str], *names: str) -> Optional[int]:
+    """First of ``names`` set in ``env`` to a positive integer."""
+    for name in names:
+        value = env.get(name, "").strip()
+        if value:
+            try:
+                number = int(value)
+            except ValueError:
+                raise ValueError(f"{name}={value!r} is not an integer; set it to a device count such as 2.")
+            if number > 0:
+                return number
+    return None
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,0 +1,30 @@
+"""PJRT CPU: the development and CI device. No cross-process XLA collectives exist here."""
+import os
+from typing import MutableMapping
+
+from deepspeed_xla.devices.base import DeviceType, cpu_count, int_env
+
+
+class CpuDevice(DeviceType):
+    pjrt_name = "CPU"
+    visible_devices_env = "DS_XLA_VISIBLE_DEVICES"
+
+    def is_present(self) -> bool:
+        return True
+
+    def local_device_count(self) -> int:
+        """``LOCAL_SIZE`` (set by DeepSpeed's launcher), else ``CPU_NUM_DEVICES``, else one per core."""
+        return int_env(os.environ, "LOCAL_SIZE", "CPU_NUM_DEVICES") or cpu_count()
+
+    def configure_process(self, local_rank, local_size, node_rank, env: MutableMapping[str, str]) -> None:
+        # One process drives one device; CPU_NUM_DEVICES may have been set for the launcher's count.
+        env["CPU_NUM_DEVICES"] = "1"
+        env.setdefault("PJRT_LOCAL_PROCESS_RANK", str(local_rank))
+        env.setdefault("PJRT_LOCAL_PROCESS_COUNT", str(local_size))
+
+    def communication_backend(self) -> str:
+        from deepspeed_xla.comm.host_staged import BACKEND_NAME
+        return BACKEND_NAME
+
+    def export_env_prefixes(self):
+        return super().export_env_prefixes() + ["CPU_NUM_DEVICES"]

@@ -1,0 +1,39 @@
+"""FusedLamb for XLA: ``deepspeed.ops.lamb.FusedLamb``'s per-tensor ``lamb`` op in torch ops.
+
+The trust ratio stays a device tensor (``torch.where``, no ``.item()``), so a step is one graph.
+"""
+import torch
+
+from deepspeed_xla.op_builder.builder import PythonOpBuilder
+
+
+class XlaFusedLamb:
+
+    @staticmethod
+    def lamb(param, out_param, exp_avg, exp_avg_sq, grad, lr, beta1, beta2, max_coeff, min_coeff, eps,
+             grad_scale, step, eps_mode, bias_correction, weight_decay):
+        grad = grad.float() / grad_scale
+        exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        m, v = exp_avg, exp_avg_sq
+        if bias_correction:
+            m = m / (1 - beta1**step)
+            v = v / (1 - beta2**step)
+        denom = (v + eps).sqrt() if eps_mode == 0 else v.sqrt() + eps
+        update = m / denom
+        if weight_decay != 0:
+            update = update + weight_decay * param.float()
+        w_norm = param.float().norm()
+        u_norm = update.norm()
+        ratio = (w_norm / u_norm).clamp(min_coeff, max_coeff)
+        lamb_coeff = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
+        param.add_((-lr * lamb_coeff * update).to(param.dtype))
+        if out_param is not None and out_param.numel() > 0:
+            out_param.copy_(param)
+        return lamb_coeff
+
+
+class FusedLambBuilder(PythonOpBuilder):
+    BUILD_VAR = "DS_BUILD_FUSED_LAMB"
+    NAME = "fused_lamb"
+    implementation = XlaFusedLamb

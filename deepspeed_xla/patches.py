@@ -1,0 +1,127 @@
+"""Every run-time change to DeepSpeed internals, in one place, each guarded by the version it was written for.
+
+The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
+the XLA accelerator is active. ``tests/test_patches.py`` fails when an upstream target changes.
+"""
+import contextlib
+import functools
+import hashlib
+import inspect
+import warnings
+from importlib import metadata
+from typing import Callable, NamedTuple
+
+WRITTEN_FOR = "0.19.8"
+
+
+@contextlib.contextmanager
+def keep_parameter_objects():
+    """Make ``module.to(xla)`` swap tensor contents into the existing Parameter objects.
+
+    A CPU Parameter cannot take an XLA tensor as ``.data``, so torch replaces the Parameter, and the
+    optimizer (built from the user's ``model.parameters()``) keeps training the stale CPU tensors.
+    """
+    import torch
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+def _engine_configure_distributed_model(original):
+
+    @functools.wraps(original)
+    def configure(self, model):
+        from deepspeed.utils import debug
+        # DeepSpeed's debug name maps hold weakrefs to every parameter, and swapping refuses weakref'd
+        # tensors: drop the maps for the move and rebuild them (ids do not change) afterwards.
+        debug.debug_clear_module_and_param_names()
+        try:
+            with keep_parameter_objects():
+                return original(self, model)
+        finally:
+            debug.debug_extract_module_and_param_names(model)
+
+    return configure
+
+
+def _engine_take_model_step(original):
+    """End the lazy graph at the optimizer step: one XLA execution per step, bounded graph size.
+
+    DeepSpeed never marks steps (eager devices need no marker); without one the traced graph
+    grows across steps until the compiler runs out of memory. The pipeline engine steps here too.
+    """
+
+    @functools.wraps(original)
+    def take_model_step(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        from deepspeed_xla import xla_runtime
+        xla_runtime.sync(wait=False)
+        return result
+
+    return take_model_step
+
+
+class Patch(NamedTuple):
+    module: str
+    owner: str
+    attr: str
+    wrapper: Callable
+    #: sha256 prefix of the upstream source the wrapper was written against.
+    digest: str
+
+
+PATCHES = [
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_distributed_model",
+          _engine_configure_distributed_model, "a9a57b807f5eed72"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", _engine_take_model_step,
+          "c4c6e01aa1fc4e7d"),
+]
+
+PATCHED_MODULES = sorted({p.module for p in PATCHES})
+
+
+def source_digest(func) -> str:
+    return hashlib.sha256(inspect.getsource(func).encode()).hexdigest()[:16]
+
+
+def _xla_is_active() -> bool:
+    from deepspeed.accelerator import real_accelerator
+    from deepspeed_xla.accelerator import XLA_Accelerator
+    return isinstance(real_accelerator.ds_accelerator, XLA_Accelerator)
+
+
+def on_module_loaded(module) -> None:
+    """Startup-hook entry: patch ``module`` if the XLA accelerator is DeepSpeed's accelerator."""
+    if not _xla_is_active():
+        return
+    installed = metadata.version("deepspeed")
+    if installed != WRITTEN_FOR:
+        warnings.warn(f"deepspeed_xla's patches were written for DeepSpeed {WRITTEN_FOR}, found {installed}: "
+                      f"install deepspeed=={WRITTEN_FOR}.")
+    for patch in PATCHES:
+        if patch.module == module.__name__:
+            _apply(module, patch)
+
+
+def _apply(module, patch: Patch) -> None:
+    owner = getattr(module, patch.owner)
+    original = getattr(owner, patch.attr)
+    if getattr(original, "__deepspeed_xla_patch__", False):
+        return
+    if source_digest(original) != patch.digest:
+        warnings.warn(f"deepspeed_xla: {patch.owner}.{patch.attr} differs from DeepSpeed {WRITTEN_FOR}; patched "
+                      "anyway, re-check deepspeed_xla/patches.py against this DeepSpeed.")
+    wrapped = patch.wrapper(original)
+    wrapped.__deepspeed_xla_patch__ = True
+    setattr(owner, patch.attr, wrapped)
+
+
+def apply_all() -> None:
+    """Patch every target module that is already imported (the explicit ``register()`` route)."""
+    import sys
+    for name in PATCHED_MODULES:
+        if name in sys.modules:
+            on_module_loaded(sys.modules[name])

@@ -1,0 +1,47 @@
+"""deepspeed-xla: DeepSpeed on XLA devices.
+
+The ``deepspeed_xla.pth`` startup file is copied next to the package in site-packages, for both
+``pip install .`` and ``pip install -e .``; it makes every interpreter honour ``DS_ACCELERATOR=xla``.
+"""
+import os
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+PTH = "deepspeed_xla.pth"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class BuildPyWithPth(build_py):
+    """Put the startup file at the root of the wheel (= site-packages); editable wheels included."""
+
+    def run(self):
+        super().run()
+        self.copy_file(os.path.join(HERE, PTH), os.path.join(self.build_lib, PTH), preserve_mode=0)
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+
+
+setup(
+    name="deepspeed-xla",
+    version="0.1.0",
+    description="DeepSpeed on XLA devices (Cloud TPU; PJRT CPU for development)",
+    long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["deepspeed_xla", "deepspeed_xla.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch==2.9.0",
+        "torch_xla==2.9.0",
+        "deepspeed>=0.19.8,<0.19.9",
+        "tpu-info>=0.14",
+        "psutil",
+    ],
+    extras_require={
+        "tpu": ["torch_xla[tpu]==2.9.0"],
+        "test": ["pytest", "pytest-timeout", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["ds_xla_report=deepspeed_xla.report:main"]},
+    cmdclass={"build_py": BuildPyWithPth},
+)
