@@ -13,10 +13,16 @@ import sys
 
 ACCELERATOR_NAME = "xla"
 
-# module -> (our module, function) run right after that module's body executed.
+_PATCHES_HOOK = ("deepspeed_xla.patches", "on_module_loaded")
+# module -> (our module, function) run right after that module's body executed. The patched modules
+# must match deepspeed_xla.patches.PATCHED_MODULES (a test checks it; this file cannot import it).
 _AFTER_IMPORT = {
     "deepspeed.accelerator.real_accelerator": ("deepspeed_xla.registration", "on_real_accelerator_loaded"),
-    "deepspeed.runtime.engine": ("deepspeed_xla.patches", "on_module_loaded"),
+    "deepspeed.runtime.engine": _PATCHES_HOOK,
+    "deepspeed.runtime.utils": _PATCHES_HOOK,
+    "deepspeed.runtime.zero.stage_1_and_2": _PATCHES_HOOK,
+    "deepspeed.runtime.zero.stage3": _PATCHES_HOOK,
+    "deepspeed.runtime.fp16.loss_scaler": _PATCHES_HOOK,
 }
 
 

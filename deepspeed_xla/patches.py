@@ -64,8 +64,48 @@ def _engine_take_model_step(original):
     return take_model_step
 
 
+def _engine_configure_zero_optimizer(original):
+    """Size ZeRO's communication buckets to the model before ZeRO allocates them.
+
+    ZeRO allocates its gradient buckets with ``torch.empty(reduce_bucket_size)`` (default 5e8
+    elements) every step. CUDA leaves untouched memory unbacked; XLA materializes the whole buffer,
+    which on a small model is gigabytes of zeros per step. A bucket never holds more than every
+    parameter, so capping the sizes at the parameter count changes no result.
+    """
+
+    @functools.wraps(original)
+    def configure(self, optimizer):
+        numel = sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters())
+        zero = self._config.zero_config
+        for field in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
+            if getattr(zero, field, 0) > numel:
+                setattr(zero, field, numel)
+        return original(self, optimizer)
+
+    return configure
+
+
+def _has_inf_or_nan(original):
+    """Reduce over an explicit dim: torch_xla 2.9's ``amax()``/``amin()`` without ``dim`` do not reduce.
+
+    DeepSpeed's overflow check ``isfinite(x.amax())`` then yields a full-size mask and the in-place
+    accumulation into a 1-element counter fails (bf16 ZeRO-1/2, fp16 loss scaling).
+    """
+
+    @functools.wraps(original)
+    def has_inf_or_nan(x):
+        if x.device.type != "xla" or x.is_sparse or x.numel() == 0:
+            return original(x)
+        import torch
+        flat = x.reshape(-1)
+        return torch.isfinite(flat.amax(dim=0)).logical_and(torch.isfinite(flat.amin(dim=0))).logical_not()
+
+    return has_inf_or_nan
+
+
 class Patch(NamedTuple):
     module: str
+    #: Class holding ``attr``, or "" for a module-level function.
     owner: str
     attr: str
     wrapper: Callable
@@ -73,9 +113,17 @@ class Patch(NamedTuple):
     digest: str
 
 
+# DeepSpeed imports has_inf_or_nan by name, so every importing module's binding is patched.
+_HAS_INF_OR_NAN_DIGEST = "f2891c8e640be50c"
+
 PATCHES = [
+    *(Patch(module, "", "has_inf_or_nan", _has_inf_or_nan, _HAS_INF_OR_NAN_DIGEST)
+      for module in ("deepspeed.runtime.utils", "deepspeed.runtime.zero.stage_1_and_2",
+                     "deepspeed.runtime.zero.stage3", "deepspeed.runtime.fp16.loss_scaler")),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_distributed_model",
           _engine_configure_distributed_model, "a9a57b807f5eed72"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_zero_optimizer",
+          _engine_configure_zero_optimizer, "f31cf07a5d4f4170"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", _engine_take_model_step,
           "c4c6e01aa1fc4e7d"),
 ]
@@ -89,8 +137,7 @@ def source_digest(func) -> str:
 
 def _xla_is_active() -> bool:
     from deepspeed.accelerator import real_accelerator
-    from deepspeed_xla.accelerator import XLA_Accelerator
-    return isinstance(real_accelerator.ds_accelerator, XLA_Accelerator)
+    return getattr(real_accelerator.ds_accelerator, "_name", None) == "xla"
 
 
 def on_module_loaded(module) -> None:
@@ -107,12 +154,12 @@ def on_module_loaded(module) -> None:
 
 
 def _apply(module, patch: Patch) -> None:
-    owner = getattr(module, patch.owner)
+    owner = getattr(module, patch.owner) if patch.owner else module
     original = getattr(owner, patch.attr)
     if getattr(original, "__deepspeed_xla_patch__", False):
         return
     if source_digest(original) != patch.digest:
-        warnings.warn(f"deepspeed_xla: {patch.owner}.{patch.attr} differs from DeepSpeed {WRITTEN_FOR}; patched "
+        warnings.warn(f"deepspeed_xla: {patch.module}.{patch.owner}.{patch.attr} differs from DeepSpeed {WRITTEN_FOR}; patched "
                       "anyway, re-check deepspeed_xla/patches.py against this DeepSpeed.")
     wrapped = patch.wrapper(original)
     wrapped.__deepspeed_xla_patch__ = True

@@ -32,10 +32,20 @@ def _to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     return [next(copies) if _is_xla(t) else t for t in tensors]
 
 
+def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """Where gloo writes a pure output: fresh host memory, so the device data is never read."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype) if _is_xla(tensor) else tensor
+
+
 def _write_back(targets: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor]) -> None:
     for target, host in zip(targets, hosts):
         if target is not host:
-            target.copy_(host.to(target.device) if _is_xla(target) else host)
+            target.copy_(host)
+
+
+def _wait(works) -> None:
+    for work in works if isinstance(works, (list, tuple)) else [works]:
+        work.wait()
 
 
 def _done(result=None) -> dist.Work:
@@ -51,6 +61,11 @@ def _flatten(lists: Sequence[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
 def _unflatten(flat: Sequence[torch.Tensor], like: Sequence[Sequence[torch.Tensor]]) -> List[List[torch.Tensor]]:
     it = iter(flat)
     return [[next(it) for _ in inner] for inner in like]
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """1-d views: gloo's tensor collectives take only the concatenated layout, torch also the stacked one."""
+    return [t.view(-1) for t in tensors]
 
 
 class HostStagedProcessGroup(ProcessGroup):
@@ -71,36 +86,43 @@ class HostStagedProcessGroup(ProcessGroup):
         return self._group_name
 
     def _run(self, inputs, outputs, call):
-        """Stage ``inputs`` and ``outputs`` to host, run ``call(host_in, host_out)`` on gloo, write back."""
-        hosts = _to_host(list(inputs) + list(outputs))
-        host_in, host_out = hosts[:len(inputs)], hosts[len(inputs):]
-        call(host_in, host_out).wait()
+        """Stage ``inputs`` to host, run ``call(host_in, host_out)`` on gloo, write ``outputs`` back.
+
+        An output that is also an input shares its host copy; the others get fresh host buffers.
+        ``call`` returns the gloo Work, or a list of them.
+        """
+        host_in = _to_host(inputs)
+        staged = {id(t): host for t, host in zip(inputs, host_in)}
+        host_out = [staged[id(t)] if id(t) in staged else _host_buffer(t) for t in outputs]
+        _wait(call(host_in, host_out))
         _write_back(outputs, host_out)
         return _done(list(outputs))
 
+    # coalescing: torch runs the recorded ops through the *_coalesced methods below
+    def _start_coalescing(self, device: torch.device) -> None:
+        """Nothing to start; the C++ default looks for a per-device backend, which a Python group lacks."""
+
+    def _end_coalescing(self, device: torch.device) -> dist.Work:
+        return _done()
+
     # all-reduce family
     def allreduce(self, tensors, opts):
-        if opts.reduceOp == dist.ReduceOp.AVG:
-            sum_opts = dist.AllreduceOptions()
-            sum_opts.reduceOp = dist.ReduceOp.SUM
-            work = self.allreduce(tensors, sum_opts)
-            for tensor in tensors:
-                tensor.div_(self.size())
-            return work
-        return self._run([], tensors, lambda _, out: self._gloo.allreduce(out, opts))
+        return self._run(tensors, tensors, lambda _, out: self._gloo.allreduce(out, opts))
 
     def allreduce_coalesced(self, tensors, opts):
+        """One all-reduce per tensor (gloo's coalesced one needs a single dtype), staged together."""
         all_opts = dist.AllreduceOptions()
         all_opts.reduceOp = opts.reduceOp
-        for tensor in tensors:
-            self.allreduce([tensor], all_opts)
-        return _done(tensors)
+        return self._run(tensors, tensors, lambda _, out: [self._gloo.allreduce([t], all_opts) for t in out])
 
     def reduce(self, tensors, opts):
-        return self._run([], tensors, lambda _, out: self._gloo.reduce(out, opts))
+        """Only the root's tensors change: gloo scribbles on the others' buffers, which stay on the host."""
+        outputs = tensors if self.rank() == opts.rootRank else []
+        return self._run(tensors, outputs, lambda i, _: self._gloo.reduce(i, opts))
 
     def broadcast(self, tensors, opts):
-        return self._run([], tensors, lambda _, out: self._gloo.broadcast(out, opts))
+        inputs = tensors if self.rank() == opts.rootRank else []
+        return self._run(inputs, tensors, lambda _, out: self._gloo.broadcast(out, opts))
 
     # gather family
     def allgather(self, output_lists, inputs, opts=None):
@@ -110,18 +132,18 @@ class HostStagedProcessGroup(ProcessGroup):
                          lambda i, o: self._gloo.allgather(_unflatten(o, output_lists), i, opts))
 
     def _allgather_base(self, output, input, opts=None):
-        opts = opts or dist.AllgatherOptions()
-        return self._run([input], [output], lambda i, o: self._gloo._allgather_base(o[0], i[0], opts))
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        for output, input in zip(outputs, inputs):
-            self._allgather_base(output, input, opts)
-        return _done(outputs)
+        opts = opts or dist.AllgatherOptions()
+        return self._run(inputs, outputs, lambda i, o: [
+            self._gloo._allgather_base(out, inp, opts) for out, inp in zip(_flat(o), _flat(i))])
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        for outputs, input in zip(output_lists, inputs):
-            self.allgather([outputs], [input], opts)
-        return _done(output_lists)
+        opts = opts or dist.AllgatherOptions()
+        flat = _flatten(output_lists)
+        return self._run(inputs, flat,
+                         lambda i, o: self._gloo.allgather_coalesced(_unflatten(o, output_lists), i, opts))
 
     def gather(self, output_lists, inputs, opts):
         flat = _flatten(output_lists)
@@ -131,26 +153,15 @@ class HostStagedProcessGroup(ProcessGroup):
     def reduce_scatter(self, outputs, input_lists, opts):
         flat = _flatten(input_lists)
         return self._run(flat, outputs,
-                         lambda i, o: self._reduce_scatter_host(o, _unflatten(i, input_lists), opts))
-
-    def _reduce_scatter_host(self, outputs, input_lists, opts):
-        """gloo has no list reduce-scatter: all-reduce each rank's chunk stack, keep our own chunk."""
-        for output, chunks in zip(outputs, input_lists):
-            stacked = torch.stack([c.reshape(-1) for c in chunks])
-            all_opts = dist.AllreduceOptions()
-            all_opts.reduceOp = opts.reduceOp
-            self._gloo.allreduce([stacked], all_opts).wait()
-            output.copy_(stacked[self.rank()].view_as(output))
-        return _done()
+                         lambda i, o: self._gloo.reduce_scatter(o, _unflatten(i, input_lists), opts))
 
     def _reduce_scatter_base(self, output, input, opts):
-        chunks = list(input.chunk(self.size()))
-        return self.reduce_scatter([output], [chunks], opts)
+        return self.reduce_scatter_tensor_coalesced([output], [input], opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        for output, input in zip(outputs, inputs):
-            self._reduce_scatter_base(output, input, opts)
-        return _done(outputs)
+        opts = opts or dist.ReduceScatterOptions()
+        return self._run(inputs, outputs, lambda i, o: [
+            self._gloo._reduce_scatter_base(out, inp, opts) for out, inp in zip(_flat(o), _flat(i))])
 
     def scatter(self, outputs, input_lists, opts):
         flat = _flatten(input_lists)
@@ -162,7 +173,17 @@ class HostStagedProcessGroup(ProcessGroup):
             o[0], i[0], output_split_sizes, input_split_sizes, opts))
 
     def alltoall(self, outputs, inputs, opts):
-        return self._run(inputs, outputs, lambda i, o: self._gloo.alltoall(o, i, opts))
+        return self._run(inputs, outputs, lambda i, o: self._alltoall_host(o, i, opts))
+
+    def _alltoall_host(self, outputs, inputs, opts):
+        """gloo has no list all-to-all: one alltoall_base between flat buffers split by numel."""
+        out_sizes = [t.numel() for t in outputs]
+        flat_out = torch.empty(sum(out_sizes), dtype=outputs[0].dtype)
+        self._gloo.alltoall_base(flat_out, torch.cat(_flat(inputs)), out_sizes, [t.numel() for t in inputs],
+                                 opts).wait()
+        for output, chunk in zip(outputs, flat_out.split(out_sizes)):
+            output.copy_(chunk.view_as(output))
+        return _done()
 
     # point to point
     def send(self, tensors, dst, tag=0):

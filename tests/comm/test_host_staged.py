@@ -1,0 +1,349 @@
+"""The ``xla_host`` backend on two PJRT CPU processes: every collective, on real XLA tensors.
+
+One 2-rank launch runs all checks in order (importing torch_xla costs seconds per process). Each rank
+prints ``PASS <check>`` after a check; the first failure ends that rank with its traceback, and its
+peer then fails on the next collective, so a broken check cannot hang the rest.
+"""
+import math
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
+
+from tests.multiproc import run_ranks
+
+WORLD = 2
+DTYPES = (torch.float32, torch.bfloat16, torch.int64)
+SHAPES = ((7,), (3, 5))
+SUM, MAX, AVG = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG
+REDUCE = {"SUM": (SUM, lambda t: t.sum(0)), "MAX": (MAX, lambda t: t.amax(0)), "AVG": (AVG, lambda t: t.mean(0))}
+
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def values(rank: int, shape, dtype=torch.float32, salt: int = 0) -> torch.Tensor:
+    """Small integers in [-9, 9], a different pattern per rank and salt: exact in bf16, in sums and halves."""
+    n = math.prod(shape)
+    return ((torch.arange(n) * (2 * rank + 3) + 5 * salt) % 19 - 9).reshape(shape).to(dtype)
+
+
+def reduced(op: str, shape, dtype, salt: int = 0) -> torch.Tensor:
+    """What reducing every rank's ``values(rank, shape, dtype, salt)`` with ``op`` gives."""
+    stacked = torch.stack([values(r, shape, dtype, salt).double() for r in range(WORLD)])
+    return REDUCE[op][1](stacked).to(dtype)
+
+
+def ops_for(dtype):
+    return [op for op in REDUCE if op != "AVG" or dtype.is_floating_point]
+
+
+def expect(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    rank = dist.get_rank()
+    assert got.device.type == "xla", f"rank {rank}, {what}: result is on {got.device}, not an XLA device"
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"rank {rank}, {what}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"
+    host = got.cpu()
+    assert torch.equal(host, want), f"rank {rank}, {what}:\n got {host}\nwant {want}"
+
+
+def xla(tensor: torch.Tensor) -> torch.Tensor:
+    import torch_xla
+    return tensor.to(torch_xla.device())
+
+
+def empty(shape, dtype=torch.float32) -> torch.Tensor:
+    import torch_xla
+    return torch.full(shape, 99, dtype=dtype, device=torch_xla.device())
+
+
+@check
+def all_reduce(rank):
+    for dtype in DTYPES:
+        for shape in ((),) + SHAPES:
+            for op in ops_for(dtype):
+                tensor = xla(values(rank, shape, dtype))
+                dist.all_reduce(tensor, op=REDUCE[op][0])
+                expect(f"all_reduce {op} {dtype} {shape}", tensor, reduced(op, shape, dtype))
+    cpu = values(rank, (7,))
+    dist.all_reduce(cpu)
+    assert torch.equal(cpu, reduced("SUM", (7,), torch.float32)), f"rank {rank}, all_reduce of a CPU tensor: {cpu}"
+
+
+@check
+def all_reduce_coalesced(rank):
+    for op in ("SUM", "AVG"):
+        tensors = [xla(values(rank, shape, torch.float32, salt)) for salt, shape in enumerate(SHAPES)]
+        dist.all_reduce_coalesced(tensors, op=REDUCE[op][0])
+        for salt, (shape, tensor) in enumerate(zip(SHAPES, tensors)):
+            expect(f"all_reduce_coalesced {op} {shape}", tensor, reduced(op, shape, torch.float32, salt))
+
+
+@check
+def all_gather(rank):
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            tensor = xla(values(rank, shape, dtype))
+            outputs = [empty(shape, dtype) for _ in range(WORLD)]
+            dist.all_gather(outputs, tensor)
+            for r, output in enumerate(outputs):
+                expect(f"all_gather {dtype} {shape} from rank {r}", output, values(r, shape, dtype))
+            expect(f"all_gather {dtype} {shape} input", tensor, values(rank, shape, dtype))
+    # DeepSpeed's fallback gathers into views of one flat buffer.
+    flat = empty((WORLD * 7,))
+    dist.all_gather(list(flat.chunk(WORLD)), xla(values(rank, (7,))))
+    expect("all_gather into chunks", flat, torch.cat([values(r, (7,)) for r in range(WORLD)]))
+
+
+@check
+def all_gather_into_tensor(rank):
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            want = torch.cat([values(r, shape, dtype) for r in range(WORLD)])
+            output = empty(want.shape, dtype)
+            dist.all_gather_into_tensor(output, xla(values(rank, shape, dtype)))
+            expect(f"all_gather_into_tensor {dtype} {shape}", output, want)
+    stacked = empty((WORLD, 3, 5))
+    dist.all_gather_into_tensor(stacked, xla(values(rank, (3, 5))))
+    expect("all_gather_into_tensor stacked", stacked, torch.stack([values(r, (3, 5)) for r in range(WORLD)]))
+
+
+@check
+def reduce_scatter(rank):
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            for op in ops_for(dtype):
+                output = empty(shape, dtype)
+                dist.reduce_scatter(output, [xla(values(rank, shape, dtype, salt=j)) for j in range(WORLD)],
+                                    op=REDUCE[op][0])
+                expect(f"reduce_scatter {op} {dtype} {shape}", output, reduced(op, shape, dtype, salt=rank))
+
+
+@check
+def reduce_scatter_tensor(rank):
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            full = (WORLD * shape[0],) + shape[1:]
+            for op in ops_for(dtype):
+                output = empty(shape, dtype)
+                dist.reduce_scatter_tensor(output, xla(values(rank, full, dtype)), op=REDUCE[op][0])
+                want = reduced(op, full, dtype).chunk(WORLD)[rank]
+                expect(f"reduce_scatter_tensor {op} {dtype} {shape}", output, want)
+
+
+@check
+def broadcast(rank):
+    for src in range(WORLD):
+        for dtype in DTYPES:
+            for shape in SHAPES:
+                tensor = xla(values(rank, shape, dtype))
+                dist.broadcast(tensor, src=src)
+                expect(f"broadcast from {src} {dtype} {shape}", tensor, values(src, shape, dtype))
+
+
+@check
+def reduce(rank):
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            tensor = xla(values(rank, (7,), dtype))
+            dist.reduce(tensor, dst=1, op=REDUCE[op][0])
+            if rank == 1:
+                expect(f"reduce {op} {dtype} to rank 1", tensor, reduced(op, (7,), dtype))
+
+
+@check
+def barrier(rank):
+    dist.barrier()
+    assert dist.barrier(async_op=True).wait()
+
+
+@check
+def all_to_all_single(rank):
+    """Rank r sends r + 2j + 1 rows of 3 to rank j (uneven both ways), then an even split of 1-d data."""
+    for dtype in DTYPES:
+        sent = [values(rank, (rank + 2 * j + 1, 3), dtype, salt=j) for j in range(WORLD)]
+        got = [values(j, (j + 2 * rank + 1, 3), dtype, salt=rank) for j in range(WORLD)]
+        output = empty((sum(len(g) for g in got), 3), dtype)
+        dist.all_to_all_single(output, xla(torch.cat(sent)), output_split_sizes=[len(g) for g in got],
+                               input_split_sizes=[len(s) for s in sent])
+        expect(f"all_to_all_single uneven {dtype}", output, torch.cat(got))
+    output = empty((WORLD * 7,))
+    dist.all_to_all_single(output, xla(values(rank, (WORLD * 7,))))
+    expect("all_to_all_single even", output, torch.cat([values(j, (WORLD * 7,)).chunk(WORLD)[rank]
+                                                         for j in range(WORLD)]))
+
+
+@check
+def all_to_all(rank):
+    for dtype in DTYPES:
+        outputs = [empty((j + 2 * rank + 1,), dtype) for j in range(WORLD)]
+        dist.all_to_all(outputs, [xla(values(rank, (rank + 2 * j + 1,), dtype, salt=j)) for j in range(WORLD)])
+        for j, output in enumerate(outputs):
+            expect(f"all_to_all {dtype} from rank {j}", output, values(j, (j + 2 * rank + 1,), dtype, salt=rank))
+
+
+@check
+def gather(rank):
+    for dst in range(WORLD):
+        for dtype in DTYPES:
+            outputs = [empty((3, 5), dtype) for _ in range(WORLD)] if rank == dst else None
+            dist.gather(xla(values(rank, (3, 5), dtype)), outputs, dst=dst)
+            for r, output in enumerate(outputs or []):
+                expect(f"gather to {dst} {dtype} from rank {r}", output, values(r, (3, 5), dtype))
+
+
+@check
+def scatter(rank):
+    for src in range(WORLD):
+        for dtype in DTYPES:
+            chunks = [xla(values(src, (7,), dtype, salt=j)) for j in range(WORLD)] if rank == src else None
+            output = empty((7,), dtype)
+            dist.scatter(output, chunks, src=src)
+            expect(f"scatter from {src} {dtype}", output, values(src, (7,), dtype, salt=rank))
+
+
+@check
+def send_recv(rank):
+    peer = 1 - rank
+    for dtype in DTYPES:
+        if rank == 0:
+            dist.send(xla(values(0, (3, 5), dtype)), dst=1)
+        else:
+            received = empty((3, 5), dtype)
+            dist.recv(received, src=0)
+            expect(f"recv {dtype}", received, values(0, (3, 5), dtype))
+    received = empty((7,))
+    works = [dist.isend(xla(values(rank, (7,))), dst=peer), dist.irecv(received, src=peer)]
+    for work in works:
+        work.wait()
+    expect("isend/irecv", received, values(peer, (7,)))
+    if rank == 0:
+        dist.send(xla(values(0, (7,), torch.int64)), dst=1)
+    else:
+        received = empty((7,), torch.int64)
+        assert dist.recv(received) == 0, "recv from any source did not name rank 0"
+        expect("recv from any source", received, values(0, (7,), torch.int64))
+
+
+@check
+def object_collectives(rank):
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, {"rank": rank, "items": list(range(rank + 3))})
+    assert gathered == [{"rank": r, "items": list(range(r + 3))} for r in range(WORLD)], gathered
+    objects = [f"from {rank}", rank * 10] if rank == 1 else [None, None]
+    dist.broadcast_object_list(objects, src=1)
+    assert objects == ["from 1", 10], objects
+
+
+@check
+def subgroups(rank):
+    pair = dist.new_group([0, 1])
+    tensor = xla(values(rank, (3, 5)))
+    dist.all_reduce(tensor, group=pair)
+    expect("all_reduce in new_group([0, 1])", tensor, reduced("SUM", (3, 5), torch.float32))
+    output = empty((WORLD * 7,), torch.bfloat16)
+    dist.all_gather_into_tensor(output, xla(values(rank, (7,), torch.bfloat16)), group=pair)
+    expect("all_gather_into_tensor in new_group([0, 1])", output,
+           torch.cat([values(r, (7,), torch.bfloat16) for r in range(WORLD)]))
+    tensor = xla(values(rank, (7,)))
+    dist.broadcast(tensor, src=1, group=pair)
+    expect("broadcast in new_group([0, 1])", tensor, values(1, (7,)))
+
+    alone = [dist.new_group([r]) for r in range(WORLD)][rank]
+    assert dist.get_world_size(alone) == 1 and dist.get_rank(alone) == 0
+    tensor = xla(values(rank, (7,)))
+    dist.all_reduce(tensor, group=alone)
+    expect("all_reduce alone", tensor, values(rank, (7,)))
+    output = empty((7,), torch.int64)
+    dist.all_gather_into_tensor(output, xla(values(rank, (7,), torch.int64)), group=alone)
+    expect("all_gather_into_tensor alone", output, values(rank, (7,), torch.int64))
+    output = empty((7,))
+    dist.reduce_scatter_tensor(output, xla(values(rank, (7,))), group=alone)
+    expect("reduce_scatter_tensor alone", output, values(rank, (7,)))
+    tensor = xla(values(rank, (7,)))
+    dist.broadcast(tensor, src=rank, group=alone)
+    expect("broadcast alone", tensor, values(rank, (7,)))
+
+
+@check
+def async_handles(rank):
+    tensor = xla(values(rank, (7,)))
+    gathered = empty((WORLD * 7,), torch.bfloat16)
+    scattered = empty((7,))
+    broadcasted = xla(values(rank, (3, 5), torch.int64))
+    works = [dist.all_reduce(tensor, op=AVG, async_op=True),
+             dist.all_gather_into_tensor(gathered, xla(values(rank, (7,), torch.bfloat16)), async_op=True),
+             dist.reduce_scatter_tensor(scattered, xla(values(rank, (WORLD * 7,))), async_op=True),
+             dist.broadcast(broadcasted, src=0, async_op=True)]
+    for work in works:
+        assert work.wait()
+    expect("async all_reduce", tensor, reduced("AVG", (7,), torch.float32))
+    expect("async all_gather_into_tensor", gathered, torch.cat([values(r, (7,), torch.bfloat16) for r in range(WORLD)]))
+    expect("async reduce_scatter_tensor", scattered, reduced("SUM", (WORLD * 7,), torch.float32).chunk(WORLD)[rank])
+    expect("async broadcast", broadcasted, values(0, (3, 5), torch.int64))
+
+
+@check
+def coalescing_manager(rank):
+    """ZeRO-3's path (deepspeed/comm/torch.py ``all_gather_coalesced``), then the other fast paths."""
+    for async_ops in (False, True):
+        inputs = [xla(values(rank, shape, torch.float32, salt)) for salt, shape in enumerate(SHAPES)]
+        outputs = [empty((WORLD * t.numel(),)) for t in inputs]
+        with _coalescing_manager(None, device=inputs[0].device, async_ops=async_ops) as cm:
+            for output, input in zip(outputs, inputs):
+                dist.all_gather_into_tensor(output, input.flatten(), async_op=True)
+        if async_ops:
+            cm.wait()
+        for salt, (shape, output) in enumerate(zip(SHAPES, outputs)):
+            want = torch.cat([values(r, shape, torch.float32, salt).flatten() for r in range(WORLD)])
+            expect(f"coalesced all_gather_into_tensor {shape} async_ops={async_ops}", output, want)
+
+    tensors = [xla(values(rank, shape, torch.bfloat16, salt)) for salt, shape in enumerate(SHAPES)]
+    with _coalescing_manager(None, device=tensors[0].device):
+        for tensor in tensors:
+            dist.all_reduce(tensor, op=MAX)
+    for salt, (shape, tensor) in enumerate(zip(SHAPES, tensors)):
+        expect(f"coalesced all_reduce {shape}", tensor, reduced("MAX", shape, torch.bfloat16, salt))
+
+    outputs = [empty(shape) for shape in SHAPES]
+    with _coalescing_manager(None, device=outputs[0].device):
+        for salt, (shape, output) in enumerate(zip(SHAPES, outputs)):
+            full = (WORLD * shape[0],) + shape[1:]
+            dist.reduce_scatter_tensor(output, xla(values(rank, full, torch.float32, salt)))
+    for salt, (shape, output) in enumerate(zip(SHAPES, outputs)):
+        full = (WORLD * shape[0],) + shape[1:]
+        expect(f"coalesced reduce_scatter_tensor {shape}", output, reduced("SUM", full, torch.float32, salt).chunk(WORLD)[rank])
+
+
+def rank_main() -> None:
+    """One rank: join the ``xla_host`` world and run every check in order."""
+    import deepspeed_xla.comm.host_staged  # noqa: F401  (registers the backend)
+    dist.init_process_group("xla_host", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    for fn in CHECKS:
+        fn(rank)
+        print(f"PASS {fn.__name__}", flush=True)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(f"{__name__}:rank_main", WORLD)
+
+
+@pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])
+def test_collective(ranks, name):
+    for rank, proc in enumerate(ranks):
+        if f"PASS {name}" not in proc.stdout.splitlines():
+            pytest.fail(f"rank {rank} (exit code {proc.returncode}) did not pass {name}:\n{proc.stderr[-6000:]}")
+
+
+def test_ranks_exit_cleanly(ranks):
+    for rank, proc in enumerate(ranks):
+        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{proc.stderr[-6000:]}"

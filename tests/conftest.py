@@ -1,0 +1,36 @@
+"""Shared fixtures. Everything runs on real XLA with PJRT CPU; processes that must stay free of the
+XLA runtime (launchers, startup hook checks) run as subprocesses."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# In-process tests use DeepSpeed with the XLA accelerator: set before anything imports deepspeed.
+os.environ["DS_ACCELERATOR"] = "xla"
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+# Variables a test must not inherit from the developer's shell or from launcher parents.
+_SCRUB_PREFIXES = ("DS_", "PJRT_", "TPU_", "XLA_", "CPU_NUM_DEVICES")
+_SCRUB = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
+          "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def clean_env(**overrides) -> dict:
+    """A child environment with no launcher/XLA state, PJRT CPU, and the venv's tools first on PATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PJRT_DEVICE"] = "CPU"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({k: str(v) for k, v in overrides.items() if v is not None})
+    for key in [k for k, v in overrides.items() if v is None]:
+        env.pop(key, None)
+    return env
+
+
+@pytest.fixture
+def env():
+    return clean_env
