@@ -7,6 +7,7 @@ import os
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
 
 PTH = "deepspeed_xla.pth"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -21,6 +22,15 @@ class BuildPyWithPth(build_py):
 
     def get_outputs(self, include_bytecode=True):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+
+
+class EditableWheelWithPth(editable_wheel):
+    """``pip install -e .``: editable wheels hold only a path finder, so add the startup file to the wheel root."""
+
+    def _run_build_commands(self, dist_name, unpacked_wheel, build_lib, tmp_dir):
+        result = super()._run_build_commands(dist_name, unpacked_wheel, build_lib, tmp_dir)
+        self.copy_file(os.path.join(HERE, PTH), os.path.join(unpacked_wheel, PTH), preserve_mode=0)
+        return result
 
 
 setup(
@@ -43,5 +53,5 @@ setup(
         "test": ["pytest", "pytest-timeout", "matplotlib"],
     },
     entry_points={"console_scripts": ["ds_xla_report=deepspeed_xla.report:main"]},
-    cmdclass={"build_py": BuildPyWithPth},
+    cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth},
 )

@@ -14,6 +14,7 @@ from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 
 from deepspeed_xla import xla_runtime
 from deepspeed_xla.devices import current_device_type
+from deepspeed_xla.devices.base import int_env
 from deepspeed_xla.topology import setup_process
 
 _DEVICE_INDEX = 0
@@ -89,8 +90,11 @@ class XLA_Accelerator(DeepSpeedAccelerator):
         return f"xla:{_DEVICE_INDEX}"
 
     def device_count(self):
-        """Devices on this host, from PCI or environment; never starts PJRT (runs in the launcher)."""
-        return current_device_type().local_device_count()
+        """Devices on this host; in a launched worker the processes started here (``LOCAL_SIZE``).
+
+        Never starts PJRT: the ``deepspeed`` runner calls this to decide how many processes to start.
+        """
+        return int_env(os.environ, "LOCAL_SIZE") or current_device_type().local_device_count()
 
     def synchronize(self, device_index=None):
         if xla_runtime.is_runtime_initialized():

@@ -86,10 +86,12 @@ def _engine_configure_zero_optimizer(original):
 
 
 def _has_inf_or_nan(original):
-    """Reduce over an explicit dim: torch_xla 2.9's ``amax()``/``amin()`` without ``dim`` do not reduce.
+    """Test every element: DeepSpeed's ``isfinite(x.amax())`` trick is wrong on XLA twice over.
 
-    DeepSpeed's overflow check ``isfinite(x.amax())`` then yields a full-size mask and the in-place
-    accumulation into a 1-element counter fails (bf16 ZeRO-1/2, fp16 loss scaling).
+    torch_xla 2.9's ``amax()``/``amin()`` without ``dim`` do not reduce (the in-place accumulation into
+    a 1-element counter then fails: bf16 ZeRO-1/2, fp16 loss scaling), and XLA's max reduction drops
+    NaN instead of propagating it. XLA fuses the elementwise test into the reduction, so no mask is
+    materialized (the cost the upstream trick avoids on eager devices).
     """
 
     @functools.wraps(original)
@@ -97,8 +99,7 @@ def _has_inf_or_nan(original):
         if x.device.type != "xla" or x.is_sparse or x.numel() == 0:
             return original(x)
         import torch
-        flat = x.reshape(-1)
-        return torch.isfinite(flat.amax(dim=0)).logical_and(torch.isfinite(flat.amin(dim=0))).logical_not()
+        return torch.isfinite(x).all().logical_not()
 
     return has_inf_or_nan
 

@@ -49,7 +49,7 @@ def fill_single_process_env(env: MutableMapping[str, str]) -> bool:
     """
     if any(name in env for name in _DIST_VARS + _MPI_MARKERS):
         return False
-    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()))
     return True
 
@@ -77,6 +77,12 @@ def setup_process() -> ProcessLayout:
             "the XLA device (torch_xla.device(), .to('xla'), torch_xla.runtime.world_size(), ...) before "
             "deepspeed.init_distributed()/deepspeed.initialize(), or call deepspeed_xla.setup_process() first.")
     device_type = current_device_type()
+    available = device_type.local_device_count()
+    if layout.local_size > available:
+        raise RuntimeError(
+            f"{layout.local_size} processes were started on this host but it has {available} "
+            f"{device_type.pjrt_name} device(s): launch with deepspeed --num_gpus {available} (or fewer), "
+            f"{device_type.too_few_devices_hint()}.")
     device_type.configure_process(layout.local_rank, layout.local_size, layout.node_rank, os.environ)
     xla_runtime.torch_xla()
     if layout.local_size > 1 and device_type.has_xla_collectives:

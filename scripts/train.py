@@ -5,7 +5,7 @@
 
 The data is generated (a noisy modular-arithmetic token stream), so nothing is downloaded. Every rank
 draws its own micro-batches from a seeded generator, identically on every accelerator, which is what
-lets the tests compare per-step losses across accelerators. ``--losses-out`` writes them as JSON.
+lets the tests compare per-step losses across accelerators. ``--losses-out`` writes them, and the trained weights, as JSON.
 """
 import argparse
 import json
@@ -72,6 +72,17 @@ def make_batch(step: int, rank: int, batch: int, seq: int, vocab: int):
     return stream[:, :-1], stream[:, 1:]
 
 
+def write_results(engine, losses, path: str) -> None:
+    """Per-step losses and the trained weights as JSON (rank 0 at ``path``, rank r at ``path.rank<r>``)."""
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+        weights = {name: p.detach().float().cpu().tolist() for name, p in engine.module.named_parameters()}
+    rank = engine.global_rank
+    with open(path if rank == 0 else f"{path}.rank{rank}", "w") as handle:
+        json.dump({"losses": losses, "world_size": engine.world_size, "rank": rank,
+                   "accelerator": get_accelerator().device_name(), "params": weights}, handle)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -108,12 +119,8 @@ def main():
             print(f"step {step:4d}  loss {step_loss:.4f}  tokens/s {tokens_per_s:,.0f}  "
                   f"device {get_accelerator().current_device_name()}", flush=True)
 
-    if rank == 0 and args.losses_out:
-        params = {name: p.detach().float().cpu().tolist() for name, p in engine.module.named_parameters()} \
-            if engine.zero_optimization_stage() < 3 else {}
-        with open(args.losses_out, "w") as handle:
-            json.dump({"losses": losses, "world_size": engine.world_size,
-                       "accelerator": get_accelerator().device_name(), "params": params}, handle)
+    if args.losses_out:
+        write_results(engine, losses, args.losses_out)
     assert all(math.isfinite(x) for x in losses), f"non-finite loss: {losses}"
 
 

@@ -1,7 +1,8 @@
 """torch.distributed backends for XLA tensors.
 
 - ``host_staged`` (``xla_host``): PJRT CPU, where XLA has no cross-process collectives.
-- TPU uses torch_xla's own ``xla`` backend (``torch_xla.distributed.xla_backend``).
+- ``xla_collectives`` (``xla_ds``): TPU, torch_xla's ``xla`` backend with DeepSpeed's gaps filled
+  (real barriers, CPU tensors for object collectives, coalesced all-reduce, uneven all-to-all).
 
 The device type (``deepspeed_xla.devices``) names which one a process uses.
 """

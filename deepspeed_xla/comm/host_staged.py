@@ -7,14 +7,15 @@ gloo directly. Everything above torch.distributed (DeepSpeed's comm layer, ZeRO,
 engine) runs the same code as on TPU, where the ``xla`` backend is used instead.
 
 Subgroups work as usual: ``new_group`` calls the creator again with the group's own store.
-Ops complete before they return; the returned Work is already finished.
+Collectives complete before they return (the returned Work is already finished); sends and receives
+run until their Work is waited on, so paired isend/irecv do not deadlock.
 """
 from datetime import timedelta
 from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup
+from torch._C._distributed_c10d import AllgatherOptions, ProcessGroup
 
 from deepspeed_xla import xla_runtime
 
@@ -63,9 +64,27 @@ def _unflatten(flat: Sequence[torch.Tensor], like: Sequence[Sequence[torch.Tenso
     return [[next(it) for _ in inner] for inner in like]
 
 
-def _flat(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+def _as_1d(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """1-d views: gloo's tensor collectives take only the concatenated layout, torch also the stacked one."""
     return [t.view(-1) for t in tensors]
+
+
+class _HostWork(dist.Work):
+    """A gloo op on host buffers; ``wait`` finishes it and writes the results into the XLA tensors."""
+
+    def __init__(self, works, outputs: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor]):
+        super().__init__()
+        self._works, self._outputs, self._hosts = works, list(outputs), list(hosts)
+
+    def wait(self, timeout=None) -> bool:
+        """``timeout`` is the group's, as gloo applies it."""
+        _wait(self._works)
+        _write_back(self._outputs, self._hosts)
+        self._outputs = self._hosts = []
+        return True
+
+    def _source_rank(self) -> int:
+        return self._works._source_rank()
 
 
 class HostStagedProcessGroup(ProcessGroup):
@@ -85,8 +104,8 @@ class HostStagedProcessGroup(ProcessGroup):
     def group_name(self):
         return self._group_name
 
-    def _run(self, inputs, outputs, call):
-        """Stage ``inputs`` to host, run ``call(host_in, host_out)`` on gloo, write ``outputs`` back.
+    def _start(self, inputs, outputs, call) -> _HostWork:
+        """Stage ``inputs`` to host and start ``call(host_in, host_out)`` on gloo; wait writes ``outputs`` back.
 
         An output that is also an input shares its host copy; the others get fresh host buffers.
         ``call`` returns the gloo Work, or a list of them.
@@ -94,8 +113,11 @@ class HostStagedProcessGroup(ProcessGroup):
         host_in = _to_host(inputs)
         staged = {id(t): host for t, host in zip(inputs, host_in)}
         host_out = [staged[id(t)] if id(t) in staged else _host_buffer(t) for t in outputs]
-        _wait(call(host_in, host_out))
-        _write_back(outputs, host_out)
+        return _HostWork(call(host_in, host_out), outputs, host_out)
+
+    def _run(self, inputs, outputs, call):
+        """``_start`` and finish: collectives complete before they return, as with the ``xla`` backend."""
+        self._start(inputs, outputs, call).wait()
         return _done(list(outputs))
 
     # coalescing: torch runs the recorded ops through the *_coalesced methods below
@@ -126,7 +148,7 @@ class HostStagedProcessGroup(ProcessGroup):
 
     # gather family
     def allgather(self, output_lists, inputs, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         flat = _flatten(output_lists)
         return self._run(inputs, flat,
                          lambda i, o: self._gloo.allgather(_unflatten(o, output_lists), i, opts))
@@ -135,12 +157,12 @@ class HostStagedProcessGroup(ProcessGroup):
         return self.allgather_into_tensor_coalesced([output], [input], opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         return self._run(inputs, outputs, lambda i, o: [
-            self._gloo._allgather_base(out, inp, opts) for out, inp in zip(_flat(o), _flat(i))])
+            self._gloo._allgather_base(out, inp, opts) for out, inp in zip(_as_1d(o), _as_1d(i))])
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         flat = _flatten(output_lists)
         return self._run(inputs, flat,
                          lambda i, o: self._gloo.allgather_coalesced(_unflatten(o, output_lists), i, opts))
@@ -161,7 +183,7 @@ class HostStagedProcessGroup(ProcessGroup):
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         return self._run(inputs, outputs, lambda i, o: [
-            self._gloo._reduce_scatter_base(out, inp, opts) for out, inp in zip(_flat(o), _flat(i))])
+            self._gloo._reduce_scatter_base(out, inp, opts) for out, inp in zip(_as_1d(o), _as_1d(i))])
 
     def scatter(self, outputs, input_lists, opts):
         flat = _flatten(input_lists)
@@ -179,21 +201,21 @@ class HostStagedProcessGroup(ProcessGroup):
         """gloo has no list all-to-all: one alltoall_base between flat buffers split by numel."""
         out_sizes = [t.numel() for t in outputs]
         flat_out = torch.empty(sum(out_sizes), dtype=outputs[0].dtype)
-        self._gloo.alltoall_base(flat_out, torch.cat(_flat(inputs)), out_sizes, [t.numel() for t in inputs],
+        self._gloo.alltoall_base(flat_out, torch.cat(_as_1d(inputs)), out_sizes, [t.numel() for t in inputs],
                                  opts).wait()
         for output, chunk in zip(outputs, flat_out.split(out_sizes)):
             output.copy_(chunk.view_as(output))
         return _done()
 
-    # point to point
+    # point to point: left running, or two ranks that both isend before they irecv would deadlock
     def send(self, tensors, dst, tag=0):
-        return self._run(tensors, [], lambda i, _: self._gloo.send(i, dst, tag))
+        return self._start(tensors, [], lambda i, _: self._gloo.send(i, dst, tag))
 
     def recv(self, tensors, src, tag=0):
-        return self._run([], tensors, lambda _, o: self._gloo.recv(o, src, tag))
+        return self._start([], tensors, lambda _, o: self._gloo.recv(o, src, tag))
 
     def recv_anysource(self, tensors, tag=0):
-        return self._run([], tensors, lambda _, o: self._gloo.recv_anysource(o, tag))
+        return self._start([], tensors, lambda _, o: self._gloo.recv_anysource(o, tag))
 
     def barrier(self, opts=None):
         self._gloo.barrier(opts or dist.BarrierOptions()).wait()

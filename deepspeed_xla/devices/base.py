@@ -27,6 +27,10 @@ class DeviceType(ABC):
     def local_device_count(self) -> int:
         """Devices on this host (= processes the launcher may start); must not start the runtime."""
 
+    def too_few_devices_hint(self) -> str:
+        """How to get more devices, for the error when a host is asked for more processes than it has."""
+        return "or use a host with more devices"
+
     @abstractmethod
     def configure_process(self, local_rank: int, local_size: int, node_rank: int,
                           env: MutableMapping[str, str]) -> None:

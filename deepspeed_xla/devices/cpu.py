@@ -13,8 +13,11 @@ class CpuDevice(DeviceType):
         return True
 
     def local_device_count(self) -> int:
-        """``LOCAL_SIZE`` (set by DeepSpeed's launcher), else ``CPU_NUM_DEVICES``, else one per core."""
-        return int_env(os.environ, "LOCAL_SIZE", "CPU_NUM_DEVICES") or cpu_count()
+        """``CPU_NUM_DEVICES`` if set (to run more processes than cores), else one per core."""
+        return int_env(os.environ, "CPU_NUM_DEVICES") or cpu_count()
+
+    def too_few_devices_hint(self) -> str:
+        return "or set CPU_NUM_DEVICES to run more PJRT CPU processes than cores"
 
     def configure_process(self, local_rank, local_size, node_rank, env: MutableMapping[str, str]) -> None:
         # One process drives one device; CPU_NUM_DEVICES may have been set for the launcher's count.

@@ -3,10 +3,9 @@
 Nothing here may start the PJRT runtime: ``local_device_count`` runs in the ``deepspeed`` launcher,
 and ``configure_process`` must finish before the worker's first device use.
 """
-import os
 from typing import Dict, List, Mapping, MutableMapping
 
-from deepspeed_xla.devices.base import DeviceType, int_env
+from deepspeed_xla.devices.base import DeviceType
 
 TPU_BASE_PORT = 8476
 
@@ -20,8 +19,8 @@ class TpuDevice(DeviceType):
         return self._pci_chip_count() > 0
 
     def local_device_count(self) -> int:
-        """Chips on this host: ``LOCAL_SIZE`` in workers, else PCI (tpu-info), never the runtime."""
-        return int_env(os.environ, "LOCAL_SIZE") or self._pci_chip_count()
+        """Chips on this host, from PCI (tpu-info); never the runtime."""
+        return self._pci_chip_count()
 
     @staticmethod
     def _pci_chip_count() -> int:
@@ -45,8 +44,9 @@ class TpuDevice(DeviceType):
         env.setdefault("PJRT_LOCAL_PROCESS_COUNT", str(local_size))
 
     def communication_backend(self) -> str:
-        import torch_xla.distributed.xla_backend  # noqa: F401  registers 'xla'
-        return "xla"
+        from deepspeed_xla.comm import xla_collectives
+        xla_collectives.register()
+        return xla_collectives.BACKEND_NAME
 
     def export_env_prefixes(self):
         return super().export_env_prefixes() + ["TPU_", "LIBTPU_"]

@@ -2,10 +2,12 @@
 
 One 2-rank launch runs all checks in order (importing torch_xla costs seconds per process). Each rank
 prints ``PASS <check>`` after a check; the first failure ends that rank with its traceback, and its
-peer then fails on the next collective, so a broken check cannot hang the rest.
+peer then fails on the next collective (or the group's 60 s timeout), so a broken check cannot hang
+the run; ``test_collective[<check>]`` names the first check that failed.
 """
 import math
 from datetime import timedelta
+from typing import Callable, List
 
 import pytest
 import torch
@@ -23,7 +25,8 @@ REDUCE = {"SUM": (SUM, lambda t: t.sum(0)), "MAX": (MAX, lambda t: t.amax(0)), "
 CHECKS = []
 
 
-def check(fn):
+def check(fn: Callable[[int], None]) -> Callable[[int], None]:
+    """Add ``fn(rank)`` to the checks every rank runs, in definition order."""
     CHECKS.append(fn)
     return fn
 
@@ -40,7 +43,8 @@ def reduced(op: str, shape, dtype, salt: int = 0) -> torch.Tensor:
     return REDUCE[op][1](stacked).to(dtype)
 
 
-def ops_for(dtype):
+def ops_for(dtype: torch.dtype) -> List[str]:
+    """The reductions to try on ``dtype``: gloo refuses to average integers."""
     return [op for op in REDUCE if op != "AVG" or dtype.is_floating_point]
 
 
@@ -58,7 +62,8 @@ def xla(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch_xla.device())
 
 
-def empty(shape, dtype=torch.float32) -> torch.Tensor:
+def stale(shape, dtype=torch.float32) -> torch.Tensor:
+    """An XLA output buffer full of a value no check expects, so a missed write shows."""
     import torch_xla
     return torch.full(shape, 99, dtype=dtype, device=torch_xla.device())
 
@@ -90,15 +95,26 @@ def all_gather(rank):
     for dtype in DTYPES:
         for shape in SHAPES:
             tensor = xla(values(rank, shape, dtype))
-            outputs = [empty(shape, dtype) for _ in range(WORLD)]
+            outputs = [stale(shape, dtype) for _ in range(WORLD)]
             dist.all_gather(outputs, tensor)
             for r, output in enumerate(outputs):
                 expect(f"all_gather {dtype} {shape} from rank {r}", output, values(r, shape, dtype))
             expect(f"all_gather {dtype} {shape} input", tensor, values(rank, shape, dtype))
     # DeepSpeed's fallback gathers into views of one flat buffer.
-    flat = empty((WORLD * 7,))
+    flat = stale((WORLD * 7,))
     dist.all_gather(list(flat.chunk(WORLD)), xla(values(rank, (7,))))
     expect("all_gather into chunks", flat, torch.cat([values(r, (7,)) for r in range(WORLD)]))
+
+
+@check
+def all_gather_coalesced(rank):
+    inputs = [xla(values(rank, shape, torch.bfloat16, salt)) for salt, shape in enumerate(SHAPES)]
+    outputs = [[stale(shape, torch.bfloat16) for shape in SHAPES] for _ in range(WORLD)]
+    dist.all_gather_coalesced(outputs, inputs)
+    for r in range(WORLD):
+        for salt, shape in enumerate(SHAPES):
+            expect(f"all_gather_coalesced {shape} from rank {r}", outputs[r][salt],
+                   values(r, shape, torch.bfloat16, salt))
 
 
 @check
@@ -106,10 +122,10 @@ def all_gather_into_tensor(rank):
     for dtype in DTYPES:
         for shape in SHAPES:
             want = torch.cat([values(r, shape, dtype) for r in range(WORLD)])
-            output = empty(want.shape, dtype)
+            output = stale(want.shape, dtype)
             dist.all_gather_into_tensor(output, xla(values(rank, shape, dtype)))
             expect(f"all_gather_into_tensor {dtype} {shape}", output, want)
-    stacked = empty((WORLD, 3, 5))
+    stacked = stale((WORLD, 3, 5))
     dist.all_gather_into_tensor(stacked, xla(values(rank, (3, 5))))
     expect("all_gather_into_tensor stacked", stacked, torch.stack([values(r, (3, 5)) for r in range(WORLD)]))
 
@@ -119,7 +135,7 @@ def reduce_scatter(rank):
     for dtype in DTYPES:
         for shape in SHAPES:
             for op in ops_for(dtype):
-                output = empty(shape, dtype)
+                output = stale(shape, dtype)
                 dist.reduce_scatter(output, [xla(values(rank, shape, dtype, salt=j)) for j in range(WORLD)],
                                     op=REDUCE[op][0])
                 expect(f"reduce_scatter {op} {dtype} {shape}", output, reduced(op, shape, dtype, salt=rank))
@@ -131,7 +147,7 @@ def reduce_scatter_tensor(rank):
         for shape in SHAPES:
             full = (WORLD * shape[0],) + shape[1:]
             for op in ops_for(dtype):
-                output = empty(shape, dtype)
+                output = stale(shape, dtype)
                 dist.reduce_scatter_tensor(output, xla(values(rank, full, dtype)), op=REDUCE[op][0])
                 want = reduced(op, full, dtype).chunk(WORLD)[rank]
                 expect(f"reduce_scatter_tensor {op} {dtype} {shape}", output, want)
@@ -153,8 +169,8 @@ def reduce(rank):
         for op in ops_for(dtype):
             tensor = xla(values(rank, (7,), dtype))
             dist.reduce(tensor, dst=1, op=REDUCE[op][0])
-            if rank == 1:
-                expect(f"reduce {op} {dtype} to rank 1", tensor, reduced(op, (7,), dtype))
+            want = reduced(op, (7,), dtype) if rank == 1 else values(rank, (7,), dtype)
+            expect(f"reduce {op} {dtype} to rank 1", tensor, want)
 
 
 @check
@@ -169,11 +185,11 @@ def all_to_all_single(rank):
     for dtype in DTYPES:
         sent = [values(rank, (rank + 2 * j + 1, 3), dtype, salt=j) for j in range(WORLD)]
         got = [values(j, (j + 2 * rank + 1, 3), dtype, salt=rank) for j in range(WORLD)]
-        output = empty((sum(len(g) for g in got), 3), dtype)
+        output = stale((sum(len(g) for g in got), 3), dtype)
         dist.all_to_all_single(output, xla(torch.cat(sent)), output_split_sizes=[len(g) for g in got],
                                input_split_sizes=[len(s) for s in sent])
         expect(f"all_to_all_single uneven {dtype}", output, torch.cat(got))
-    output = empty((WORLD * 7,))
+    output = stale((WORLD * 7,))
     dist.all_to_all_single(output, xla(values(rank, (WORLD * 7,))))
     expect("all_to_all_single even", output, torch.cat([values(j, (WORLD * 7,)).chunk(WORLD)[rank]
                                                          for j in range(WORLD)]))
@@ -182,7 +198,7 @@ def all_to_all_single(rank):
 @check
 def all_to_all(rank):
     for dtype in DTYPES:
-        outputs = [empty((j + 2 * rank + 1,), dtype) for j in range(WORLD)]
+        outputs = [stale((j + 2 * rank + 1,), dtype) for j in range(WORLD)]
         dist.all_to_all(outputs, [xla(values(rank, (rank + 2 * j + 1,), dtype, salt=j)) for j in range(WORLD)])
         for j, output in enumerate(outputs):
             expect(f"all_to_all {dtype} from rank {j}", output, values(j, (j + 2 * rank + 1,), dtype, salt=rank))
@@ -192,7 +208,7 @@ def all_to_all(rank):
 def gather(rank):
     for dst in range(WORLD):
         for dtype in DTYPES:
-            outputs = [empty((3, 5), dtype) for _ in range(WORLD)] if rank == dst else None
+            outputs = [stale((3, 5), dtype) for _ in range(WORLD)] if rank == dst else None
             dist.gather(xla(values(rank, (3, 5), dtype)), outputs, dst=dst)
             for r, output in enumerate(outputs or []):
                 expect(f"gather to {dst} {dtype} from rank {r}", output, values(r, (3, 5), dtype))
@@ -203,7 +219,7 @@ def scatter(rank):
     for src in range(WORLD):
         for dtype in DTYPES:
             chunks = [xla(values(src, (7,), dtype, salt=j)) for j in range(WORLD)] if rank == src else None
-            output = empty((7,), dtype)
+            output = stale((7,), dtype)
             dist.scatter(output, chunks, src=src)
             expect(f"scatter from {src} {dtype}", output, values(src, (7,), dtype, salt=rank))
 
@@ -215,18 +231,24 @@ def send_recv(rank):
         if rank == 0:
             dist.send(xla(values(0, (3, 5), dtype)), dst=1)
         else:
-            received = empty((3, 5), dtype)
+            received = stale((3, 5), dtype)
             dist.recv(received, src=0)
             expect(f"recv {dtype}", received, values(0, (3, 5), dtype))
-    received = empty((7,))
+    received = stale((7,))
     works = [dist.isend(xla(values(rank, (7,))), dst=peer), dist.irecv(received, src=peer)]
     for work in works:
         work.wait()
     expect("isend/irecv", received, values(peer, (7,)))
+    received = stale((3, 5), torch.bfloat16)
+    ops = [dist.P2POp(dist.isend, xla(values(rank, (3, 5), torch.bfloat16)), peer),
+           dist.P2POp(dist.irecv, received, peer)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    expect("batch_isend_irecv", received, values(peer, (3, 5), torch.bfloat16))
     if rank == 0:
         dist.send(xla(values(0, (7,), torch.int64)), dst=1)
     else:
-        received = empty((7,), torch.int64)
+        received = stale((7,), torch.int64)
         assert dist.recv(received) == 0, "recv from any source did not name rank 0"
         expect("recv from any source", received, values(0, (7,), torch.int64))
 
@@ -247,7 +269,7 @@ def subgroups(rank):
     tensor = xla(values(rank, (3, 5)))
     dist.all_reduce(tensor, group=pair)
     expect("all_reduce in new_group([0, 1])", tensor, reduced("SUM", (3, 5), torch.float32))
-    output = empty((WORLD * 7,), torch.bfloat16)
+    output = stale((WORLD * 7,), torch.bfloat16)
     dist.all_gather_into_tensor(output, xla(values(rank, (7,), torch.bfloat16)), group=pair)
     expect("all_gather_into_tensor in new_group([0, 1])", output,
            torch.cat([values(r, (7,), torch.bfloat16) for r in range(WORLD)]))
@@ -260,10 +282,10 @@ def subgroups(rank):
     tensor = xla(values(rank, (7,)))
     dist.all_reduce(tensor, group=alone)
     expect("all_reduce alone", tensor, values(rank, (7,)))
-    output = empty((7,), torch.int64)
+    output = stale((7,), torch.int64)
     dist.all_gather_into_tensor(output, xla(values(rank, (7,), torch.int64)), group=alone)
     expect("all_gather_into_tensor alone", output, values(rank, (7,), torch.int64))
-    output = empty((7,))
+    output = stale((7,))
     dist.reduce_scatter_tensor(output, xla(values(rank, (7,))), group=alone)
     expect("reduce_scatter_tensor alone", output, values(rank, (7,)))
     tensor = xla(values(rank, (7,)))
@@ -274,8 +296,8 @@ def subgroups(rank):
 @check
 def async_handles(rank):
     tensor = xla(values(rank, (7,)))
-    gathered = empty((WORLD * 7,), torch.bfloat16)
-    scattered = empty((7,))
+    gathered = stale((WORLD * 7,), torch.bfloat16)
+    scattered = stale((7,))
     broadcasted = xla(values(rank, (3, 5), torch.int64))
     works = [dist.all_reduce(tensor, op=AVG, async_op=True),
              dist.all_gather_into_tensor(gathered, xla(values(rank, (7,), torch.bfloat16)), async_op=True),
@@ -294,7 +316,7 @@ def coalescing_manager(rank):
     """ZeRO-3's path (deepspeed/comm/torch.py ``all_gather_coalesced``), then the other fast paths."""
     for async_ops in (False, True):
         inputs = [xla(values(rank, shape, torch.float32, salt)) for salt, shape in enumerate(SHAPES)]
-        outputs = [empty((WORLD * t.numel(),)) for t in inputs]
+        outputs = [stale((WORLD * t.numel(),)) for t in inputs]
         with _coalescing_manager(None, device=inputs[0].device, async_ops=async_ops) as cm:
             for output, input in zip(outputs, inputs):
                 dist.all_gather_into_tensor(output, input.flatten(), async_op=True)
@@ -311,7 +333,7 @@ def coalescing_manager(rank):
     for salt, (shape, tensor) in enumerate(zip(SHAPES, tensors)):
         expect(f"coalesced all_reduce {shape}", tensor, reduced("MAX", shape, torch.bfloat16, salt))
 
-    outputs = [empty(shape) for shape in SHAPES]
+    outputs = [stale(shape) for shape in SHAPES]
     with _coalescing_manager(None, device=outputs[0].device):
         for salt, (shape, output) in enumerate(zip(SHAPES, outputs)):
             full = (WORLD * shape[0],) + shape[1:]
@@ -319,6 +341,31 @@ def coalescing_manager(rank):
     for salt, (shape, output) in enumerate(zip(SHAPES, outputs)):
         full = (WORLD * shape[0],) + shape[1:]
         expect(f"coalesced reduce_scatter_tensor {shape}", output, reduced("SUM", full, torch.float32, salt).chunk(WORLD)[rank])
+
+
+@check
+def staging_cost(rank):
+    """One XLA execution for all operands of an op, and no device-to-host copy of its pure outputs."""
+    import torch_xla.debug.metrics as met
+
+    def counts():
+        return [(met.metric_data(name) or (0, 0))[:2] for name in ("ExecuteTime", "InboundData")]
+
+    inputs = [xla(values(rank, shape, torch.float32, salt)) * 2 for salt, shape in enumerate(SHAPES)]
+    outputs = [stale((WORLD * t.numel(),)) for t in inputs]  # pending fills: reading them would execute
+    (executions, _), (transfers, inbound) = counts()
+    with _coalescing_manager(None, device=inputs[0].device):
+        for output, input in zip(outputs, inputs):
+            dist.all_gather_into_tensor(output, input.flatten())
+    (executions_after, _), (transfers_after, inbound_after) = counts()
+    assert executions_after - executions == 1, f"rank {rank}: {executions_after - executions} XLA executions"
+    assert transfers_after - transfers == 1, f"rank {rank}: {transfers_after - transfers} device-to-host transfers"
+    input_bytes = sum(t.numel() * t.element_size() for t in inputs)
+    assert inbound_after - inbound == input_bytes, \
+        f"rank {rank}: {inbound_after - inbound:.0f} bytes copied to host, the inputs are {input_bytes}"
+    for salt, (shape, output) in enumerate(zip(SHAPES, outputs)):
+        want = torch.cat([values(r, shape, torch.float32, salt).flatten() * 2 for r in range(WORLD)])
+        expect(f"staged all_gather_into_tensor {shape}", output, want)
 
 
 def rank_main() -> None:

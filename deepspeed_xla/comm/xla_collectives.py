@@ -1,0 +1,122 @@
+"""``xla_ds``: torch_xla's ``xla`` process group with the gaps DeepSpeed runs into filled.
+
+Used where XLA itself connects the processes (TPU). Upstream ``ProcessGroupXla`` (torch_xla 2.9):
+- ``barrier`` does nothing, but DeepSpeed orders checkpoint I/O with barriers;
+- CPU tensors are rejected, but torch.distributed's object collectives (checkpoint tags,
+  ``broadcast_object_list``) use CPU tensors for this group;
+- ``allreduce_coalesced`` raises, and ``alltoall_base`` ignores split sizes and the group.
+This subclass fixes exactly those and leaves every other op to torch_xla.
+"""
+from typing import Callable, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_xla import xla_runtime
+
+BACKEND_NAME = "xla_ds"
+
+
+def _base_class():
+    import torch_xla.distributed.xla_backend as xla_backend
+    return xla_backend.ProcessGroupXla
+
+
+def _done(result) -> dist.Work:
+    future = torch.futures.Future()
+    future.set_result(result)
+    return torch._C._distributed_c10d._create_work_from_future(future)
+
+
+def pad_chunks(tensor: torch.Tensor, splits: Sequence[int], width: int) -> torch.Tensor:
+    """Split dim 0 by ``splits`` and zero-pad each piece to ``width`` rows: ``[len(splits), width, ...]``."""
+    rows = []
+    for piece in tensor.split(list(splits)):
+        pad = torch.zeros((width - piece.shape[0], *piece.shape[1:]), dtype=piece.dtype, device=piece.device)
+        rows.append(torch.cat([piece, pad]))
+    return torch.stack(rows)
+
+
+def unpad_chunks(stacked: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
+    return torch.cat([stacked[i, :n] for i, n in enumerate(splits)])
+
+
+def make_process_group_class():
+    """Built on first use: importing torch_xla's backend module is only allowed in worker processes."""
+    base = _base_class()
+
+    class DeepSpeedXlaProcessGroup(base):
+
+        def getBackendName(self) -> str:
+            return BACKEND_NAME
+
+        def _device(self):
+            return xla_runtime.device()
+
+        def _via_device(self, tensors: List[torch.Tensor], op: Callable[[List[torch.Tensor]], object]):
+            """Run ``op`` on device copies of CPU tensors and copy the results back."""
+            if all(t.device.type == "xla" for t in tensors):
+                return op(tensors)
+            staged = [t if t.device.type == "xla" else t.to(self._device()) for t in tensors]
+            op(staged)
+            for original, result in zip(tensors, staged):
+                if original is not result:
+                    original.copy_(result.cpu())
+            return _done(tensors)
+
+        def allreduce(self, tensors, opts):
+            return self._via_device(tensors, lambda ts: super(DeepSpeedXlaProcessGroup, self).allreduce(ts, opts))
+
+        def broadcast(self, tensors, opts):
+            return self._via_device(tensors, lambda ts: super(DeepSpeedXlaProcessGroup, self).broadcast(ts, opts))
+
+        def allgather(self, output_lists, inputs, opts=None):
+            flat = [t for outputs in output_lists for t in outputs]
+
+            def op(staged):
+                staged_inputs, staged_outputs = staged[:len(inputs)], staged[len(inputs):]
+                it = iter(staged_outputs)
+                nested = [[next(it) for _ in outputs] for outputs in output_lists]
+                return super(DeepSpeedXlaProcessGroup, self).allgather(nested, staged_inputs, opts)
+
+            return self._via_device(list(inputs) + flat, op)
+
+        def allreduce_coalesced(self, tensors, opts):
+            all_opts = dist.AllreduceOptions()
+            all_opts.reduceOp = opts.reduceOp
+            for tensor in tensors:
+                self.allreduce([tensor], all_opts)
+            return _done(tensors)
+
+        def barrier(self, opts=None):
+            """A real barrier: every member contributes to a reduction whose value this process reads."""
+            token = torch.zeros(1, device=self._device())
+            xla_runtime.xm().all_reduce(xla_runtime.xm().REDUCE_SUM, [token], groups=self._mesh, pin_layout=False)
+            token.cpu()
+            return _done([])
+
+        def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+            """All-to-all with uneven splits: pad to the largest split any member sends, exchange, unpad."""
+            size = self.size()
+            in_splits = list(input_split_sizes) or [input.shape[0] // size] * size
+            out_splits = list(output_split_sizes) or [output.shape[0] // size] * size
+            width = torch.tensor([max(in_splits + out_splits)], device=self._device())
+            xm = xla_runtime.xm()
+            xm.all_reduce(xm.REDUCE_MAX, [width], groups=self._mesh, pin_layout=False)
+            width = int(width.cpu())
+            stacked = pad_chunks(input, in_splits, width)
+            exchanged = xm.all_to_all(stacked.reshape(size * width, *input.shape[1:]), 0, 0, size,
+                                      groups=self._mesh, pin_layout=False)
+            output.copy_(unpad_chunks(exchanged.reshape(size, width, *input.shape[1:]), out_splits))
+            return _done([output])
+
+    return DeepSpeedXlaProcessGroup
+
+
+def _create(store, rank, size, timeout):
+    return make_process_group_class()(store, rank, size, timeout)
+
+
+def register() -> None:
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["xla"])

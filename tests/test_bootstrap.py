@@ -1,0 +1,76 @@
+"""The startup hook: every interpreter honours DS_ACCELERATOR=xla, and the hook itself costs ~nothing."""
+import json
+import subprocess
+import sys
+
+from tests.conftest import clean_env
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(**env), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+PROBE = """
+import json, sys, deepspeed
+from deepspeed.accelerator import get_accelerator
+from deepspeed.accelerator.real_accelerator import is_current_accelerator_supported
+from deepspeed.ops.op_builder import FusedAdamBuilder
+from deepspeed.ops.adam import fused_adam
+from deepspeed_xla.xla_runtime import is_runtime_initialized
+print(json.dumps({"name": get_accelerator().device_name(), "cls": type(get_accelerator()).__module__,
+                  "supported": is_current_accelerator_supported(), "builder": FusedAdamBuilder.__module__,
+                  "fused_adam_builder": fused_adam.FusedAdamBuilder.__module__,
+                  "device_count": get_accelerator().device_count(),
+                  "runtime_initialized": is_runtime_initialized()}))
+"""
+
+
+def _probe(**env) -> dict:
+    return json.loads(_python(PROBE, **env).stdout.strip().splitlines()[-1])
+
+
+def test_ds_accelerator_xla_selects_our_accelerator_at_import():
+    info = _probe(DS_ACCELERATOR="xla")
+    assert info["name"] == "xla"
+    assert info["cls"] == "deepspeed_xla.accelerator"
+    assert info["supported"] is True
+    assert info["builder"] == info["fused_adam_builder"] == "deepspeed_xla.op_builder.fused_adam"
+
+
+def test_device_count_leaves_runtime_uninitialized():
+    info = _probe(DS_ACCELERATOR="xla", CPU_NUM_DEVICES=3)
+    assert info["device_count"] == 3
+    assert info["runtime_initialized"] is False
+
+
+def test_unset_ds_accelerator_on_a_host_without_tpu_keeps_deepspeed_default():
+    info = _probe(DS_ACCELERATOR=None)
+    assert info["name"] == "cpu"
+
+
+def test_hook_imports_neither_torch_nor_deepspeed_and_is_cheap():
+    proc = _python("import sys, json; print(json.dumps(sorted(m for m in ('torch', 'deepspeed', 'torch_xla') "
+                   "if m in sys.modules)))", DS_ACCELERATOR="xla")
+    assert json.loads(proc.stdout) == []
+    costs = []
+    for _ in range(3):
+        trace = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], env=clean_env(DS_ACCELERATOR="xla"),
+                               capture_output=True, text=True, timeout=60).stderr
+        hook = [line for line in trace.splitlines() if line.split("|")[-1].strip().startswith("deepspeed_xla")]
+        assert any(line.rstrip().endswith("deepspeed_xla.bootstrap") for line in hook), "hook did not run:\n" + trace
+        costs.append(sum(int(line.split("|")[1]) for line in hook))  # cumulative microseconds
+    assert min(costs) < 20_000, costs
+
+
+def test_explicit_register_after_import():
+    code = ("import warnings, deepspeed, deepspeed_xla\n"
+            "from deepspeed.accelerator import get_accelerator\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    deepspeed_xla.register()\n"
+            "print(get_accelerator().device_name(), any('after `import deepspeed`' in str(x.message) for x in w))")
+    out = _python(code, DS_ACCELERATOR=None).stdout.split()
+    assert out[-2:] == ["xla", "True"]

@@ -1,0 +1,49 @@
+"""``deepspeed --num_gpus 2`` on XLA: ZeRO 1-3 train like DeepSpeed's CPU accelerator over gloo.
+
+Both sides run through the real CLI in the same test; the XLA side uses the host-staged backend.
+"""
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.multiproc import ds_config, max_abs_diff, run_training
+
+TOLERANCE = {False: 1e-4, True: 2e-2}
+PROBE_DIR = Path(__file__).parent / "runtime_probe"
+
+
+def _rank_params(workdir: Path, accelerator: str, rank: int) -> dict:
+    path = workdir / f"{accelerator}-losses.json"
+    return json.loads((path if rank == 0 else Path(f"{path}.rank{rank}")).read_text())["params"]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_ranks_match_cpu_accelerator(tmp_path, stage, bf16):
+    config = ds_config(stage, bf16=bf16)
+    xla = run_training(tmp_path / "xla", "xla", config, num_procs=2, steps=10)
+    cpu = run_training(tmp_path / "cpu", "cpu", config, num_procs=2, steps=10)
+    assert xla["world_size"] == cpu["world_size"] == 2
+    assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[bf16]
+    assert _rank_params(tmp_path / "xla", "xla", 0) == _rank_params(tmp_path / "xla", "xla", 1)
+
+
+def test_launcher_processes_never_start_the_runtime(tmp_path):
+    log = tmp_path / "runtime.jsonl"
+    run_training(tmp_path, "xla", ds_config(2), num_procs=2, steps=2,
+                 extra_env={"PYTHONPATH": str(PROBE_DIR), "DSX_TEST_RUNTIME_LOG": str(log)})
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    launchers = [r for r in records if not r["argv"][0].endswith("train.py")]
+    workers = [r for r in records if r["argv"][0].endswith("train.py")]
+    assert len(workers) == 2 and all(r["runtime_started"] for r in workers)
+    assert len(launchers) == 2, records  # the deepspeed runner and deepspeed.launcher.launch
+    assert not any(r["runtime_started"] or r["torch_xla_imported"] for r in launchers), launchers
+
+
+def test_ds_accelerator_from_deepspeed_env_file_only(tmp_path):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / ".deepspeed_env").write_text("\n# set by the user\nexport DS_ACCELERATOR=xla\n\n")
+    result = run_training(workdir, None, ds_config(1), num_procs=2, steps=2)
+    assert result["accelerator"] == "xla"
