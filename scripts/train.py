@@ -59,6 +59,38 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class Embedding(nn.Module):
+    """Token + position embedding; with ``as_head`` the same weights score the vocabulary (tied)."""
+
+    def __init__(self, vocab: int, dim: int, seq: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+
+    def forward(self, tokens):
+        return self.tok(tokens) + self.pos[:tokens.shape[1]]
+
+
+def tied_head(embedding: Embedding, x):
+    return (x @ embedding.tok.weight.t()).float()
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def pipeline_model(args, stages: int):
+    """The GPT as DeepSpeed pipeline layers; the embedding is tied between the first and last stage."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    layers = [TiedLayerSpec("embed", Embedding, args.vocab, args.dim, args.seq, tied_weight_attr=["tok.weight"])]
+    layers += [LayerSpec(Block, args.dim, 2) for _ in range(args.layers)]
+    layers += [LayerSpec(nn.LayerNorm, args.dim),
+               TiedLayerSpec("embed", Embedding, args.vocab, args.dim, args.seq, forward_fn=tied_head,
+                             tied_weight_attr=["tok.weight"])]
+    return PipelineModule(layers=layers, loss_fn=lm_loss, num_stages=stages, partition_method="uniform",
+                          activation_checkpoint_interval=args.activation_checkpoint_interval)
+
+
 def make_batch(step: int, rank: int, batch: int, seq: int, vocab: int):
     """Token stream x[i+1] = (x[i] * 3 + 1) mod vocab with 10% noise: learnable, deterministic."""
     gen = torch.Generator().manual_seed(1000 * step + rank)
@@ -91,6 +123,8 @@ def main():
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--pipeline-stages", type=int, default=0, help="train as a DeepSpeed PipelineModule")
+    parser.add_argument("--activation-checkpoint-interval", type=int, default=0)
     parser.add_argument("--losses-out", default=None, help="write per-step losses (rank 0) as JSON here")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     parser = deepspeed.add_config_arguments(parser)
@@ -98,24 +132,36 @@ def main():
 
     deepspeed.init_distributed()
     torch.manual_seed(args.seed)
-    model = TinyGPT(args.vocab, args.dim, args.layers, seq=args.seq)
+    if args.pipeline_stages:
+        model = pipeline_model(args, args.pipeline_stages)
+    else:
+        model = TinyGPT(args.vocab, args.dim, args.layers, seq=args.seq)
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+    pipelined = args.pipeline_stages > 0
     rank = engine.global_rank
+    data_rank = engine.grid.get_data_parallel_rank() if pipelined else rank
     micro = engine.train_micro_batch_size_per_gpu()
     accum = engine.gradient_accumulation_steps()
 
+    def batches(step):
+        for micro_step in range(accum):
+            tokens, targets = make_batch(step * accum + micro_step, data_rank, micro, args.seq, args.vocab)
+            yield tokens.to(engine.device), targets.to(engine.device)
+
     losses, start = [], time.time()
     for step in range(args.steps):
-        step_loss = 0.0
-        for micro_step in range(accum):
-            tokens, targets = make_batch(step * accum + micro_step, rank, micro, args.seq, args.vocab)
-            loss = engine(tokens.to(engine.device), targets.to(engine.device))
-            engine.backward(loss)
-            engine.step()
-            step_loss += loss.item() / accum
+        if pipelined:
+            step_loss = engine.train_batch(data_iter=batches(step)).item()
+        else:
+            step_loss = 0.0
+            for tokens, targets in batches(step):
+                loss = engine(tokens, targets)
+                engine.backward(loss)
+                engine.step()
+                step_loss += loss.item() / accum
         losses.append(step_loss)
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            tokens_per_s = (step + 1) * accum * micro * args.seq * engine.world_size / (time.time() - start)
+            tokens_per_s = (step + 1) * accum * micro * args.seq * engine.dp_world_size / (time.time() - start)
             print(f"step {step:4d}  loss {step_loss:.4f}  tokens/s {tokens_per_s:,.0f}  "
                   f"device {get_accelerator().current_device_name()}", flush=True)
 

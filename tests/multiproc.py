@@ -8,7 +8,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional, Tuple
 
 from tests.conftest import REPO, VENV_BIN, clean_env
 
@@ -93,6 +94,13 @@ def run_training(workdir: Path, accelerator: Optional[str], config: dict, num_pr
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
+
+
+def run_against_cpu(workdir: Path, config: dict, **kwargs) -> Tuple[dict, dict]:
+    """The same training on XLA and on DeepSpeed's CPU accelerator, run concurrently; ``(xla, cpu)``."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = [pool.submit(run_training, workdir / name, name, config, **kwargs) for name in ("xla", "cpu")]
+        return runs[0].result(), runs[1].result()
 
 
 def max_abs_diff(a, b) -> float:

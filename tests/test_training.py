@@ -5,7 +5,7 @@ the same test. Tolerances: fp32 1e-4, bf16 2e-2 (max abs difference of per-step 
 """
 import pytest
 
-from tests.multiproc import ds_config, max_abs_diff, run_training
+from tests.multiproc import ds_config, max_abs_diff, run_against_cpu
 
 TOLERANCE = {False: 1e-4, True: 2e-2}
 
@@ -14,8 +14,7 @@ TOLERANCE = {False: 1e-4, True: 2e-2}
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_single_process_losses_match_cpu_accelerator(tmp_path, stage, bf16):
     config = ds_config(stage, bf16=bf16)
-    xla = run_training(tmp_path / "xla", "xla", config)
-    cpu = run_training(tmp_path / "cpu", "cpu", config)
+    xla, cpu = run_against_cpu(tmp_path, config)
     assert xla["accelerator"] == "xla" and cpu["accelerator"] == "cpu"
     assert len(xla["losses"]) == 20
     assert xla["losses"][-1] < xla["losses"][0] - 0.5, "the model did not train"
