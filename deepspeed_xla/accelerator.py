@@ -71,9 +71,10 @@ class XLA_Accelerator(DeepSpeedAccelerator):
 
     # Device
     def device_name(self, device_index=None):
+        """Bare ``'xla'`` names the device type (autocast, support checks); an index names our device."""
         if device_index is None:
             return "xla"
-        return f"xla:{_DEVICE_INDEX}"
+        return self.current_device_name()
 
     def device(self, device_index=None):
         setup_process()
@@ -87,6 +88,7 @@ class XLA_Accelerator(DeepSpeedAccelerator):
         return xla_runtime.device(_DEVICE_INDEX)
 
     def current_device_name(self):
+        setup_process()  # the name is about to become a device (``.to(name)``, ``torch.empty(device=name)``)
         return f"xla:{_DEVICE_INDEX}"
 
     def device_count(self):

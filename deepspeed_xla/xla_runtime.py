@@ -85,3 +85,15 @@ def to_host(tensors):
     tx = torch_xla()
     tx._XLAC._xla_sync_multi(tensors, devices=[], wait=True, sync_xla_data=False)
     return tx._XLAC._xla_get_cpu_tensors(tensors)
+
+
+def graph_counters() -> dict:
+    """Compilations, graph executions and device->host transfers so far in this process (torch_xla metrics)."""
+    import torch_xla.debug.metrics as met
+
+    def count(name):
+        data = met.metric_data(name)
+        return int(data[0]) if data else 0
+
+    return {"compilations": count("CompileTime"), "executions": count("ExecuteTime"),
+            "transfers_to_host": count("TransferFromDeviceTime")}

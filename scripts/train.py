@@ -21,6 +21,9 @@ import deepspeed
 from deepspeed.accelerator import get_accelerator
 
 
+WARMUP_STEPS = 3  # XLA compiles the step's graphs during the first steps; counters start after them
+
+
 class Block(nn.Module):
 
     def __init__(self, dim: int, heads: int):
@@ -65,6 +68,7 @@ class Embedding(nn.Module):
     def __init__(self, vocab: int, dim: int, seq: int):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
+        nn.init.normal_(self.tok.weight, std=0.02)  # GPT-2's init: keeps the tied head's logits small
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
 
     def forward(self, tokens):
@@ -104,14 +108,22 @@ def make_batch(step: int, rank: int, batch: int, seq: int, vocab: int):
     return stream[:, :-1], stream[:, 1:]
 
 
-def write_results(engine, losses, path: str) -> None:
-    """Per-step losses and the trained weights as JSON (rank 0 at ``path``, rank r at ``path.rank<r>``)."""
+def graph_counters() -> dict:
+    """XLA compilations/executions/transfers so far (empty on other accelerators)."""
+    if get_accelerator().device_name() != "xla":
+        return {}
+    from deepspeed_xla.xla_runtime import graph_counters as xla_counters
+    return xla_counters()
+
+
+def write_results(engine, losses, path: str, counters: dict) -> None:
+    """Per-step losses, trained weights and XLA graph counters as JSON (rank r>0 at ``path.rank<r>``)."""
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
         weights = {name: p.detach().float().cpu().tolist() for name, p in engine.module.named_parameters()}
     rank = engine.global_rank
     with open(path if rank == 0 else f"{path}.rank{rank}", "w") as handle:
-        json.dump({"losses": losses, "world_size": engine.world_size, "rank": rank,
+        json.dump({"losses": losses, "world_size": engine.world_size, "rank": rank, "counters": counters,
                    "accelerator": get_accelerator().device_name(), "params": weights}, handle)
 
 
@@ -148,8 +160,10 @@ def main():
             tokens, targets = make_batch(step * accum + micro_step, data_rank, micro, args.seq, args.vocab)
             yield tokens.to(engine.device), targets.to(engine.device)
 
-    losses, start = [], time.time()
+    losses, start, counters = [], time.time(), {}
     for step in range(args.steps):
+        if step == WARMUP_STEPS:
+            counters["warm"] = graph_counters()
         if pipelined:
             step_loss = engine.train_batch(data_iter=batches(step)).item()
         else:
@@ -165,8 +179,10 @@ def main():
             print(f"step {step:4d}  loss {step_loss:.4f}  tokens/s {tokens_per_s:,.0f}  "
                   f"device {get_accelerator().current_device_name()}", flush=True)
 
+    if args.steps > WARMUP_STEPS:
+        counters["end"] = graph_counters()
     if args.losses_out:
-        write_results(engine, losses, args.losses_out)
+        write_results(engine, losses, args.losses_out, counters)
     assert all(math.isfinite(x) for x in losses), f"non-finite loss: {losses}"
 
 

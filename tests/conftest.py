@@ -6,9 +6,14 @@ from pathlib import Path
 
 import pytest
 
+# Tests compile PJRT CPU graphs at XLA's lowest backend optimization level: the same HLO graphs,
+# cheaper machine code (a 2-rank run's compile time drops ~3x). Results stay within the tolerances.
+FAST_COMPILE = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+
 # In-process tests use DeepSpeed with the XLA accelerator: set before anything imports deepspeed.
 os.environ["DS_ACCELERATOR"] = "xla"
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.update(FAST_COMPILE)
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -25,6 +30,7 @@ def clean_env(**overrides) -> dict:
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PJRT_DEVICE"] = "CPU"
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(FAST_COMPILE)
     env.update({k: str(v) for k, v in overrides.items() if v is not None})
     for key in [k for k, v in overrides.items() if v is None]:
         env.pop(key, None)

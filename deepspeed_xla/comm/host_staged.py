@@ -39,9 +39,11 @@ def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _write_back(targets: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor]) -> None:
-    for target, host in zip(targets, hosts):
-        if target is not host:
-            target.copy_(host)
+    """Like a backend writing device memory: no autograd (targets may be parameters, e.g. tied weights)."""
+    with torch.no_grad():
+        for target, host in zip(targets, hosts):
+            if target is not host:
+                target.copy_(host)
 
 
 def _wait(works) -> None:
