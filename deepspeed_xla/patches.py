@@ -104,14 +104,48 @@ def _has_inf_or_nan(original):
     return has_inf_or_nan
 
 
+_ENV_FILE_NAME = ".deepspeed_env"
+
+
+@functools.lru_cache(maxsize=None)
+def _normalized_env_dir() -> str:
+    """One clean ``.deepspeed_env`` holding what our parser read from the user's files, or "" if none."""
+    import os
+    import tempfile
+    from deepspeed_xla.env_file import read_env_files
+    merged = {}
+    for _, values in read_env_files():
+        merged.update(values)
+    if not merged:
+        return ""
+    folder = tempfile.mkdtemp(prefix="deepspeed_xla_env_")
+    with open(os.path.join(folder, _ENV_FILE_NAME), "w") as handle:
+        handle.writelines(f"{key}={value}\n" for key, value in merged.items())
+    return folder
+
+
+def _runner_env_paths(original):
+    """Multi-node runs: DeepSpeed's runner re-reads ``.deepspeed_env`` with a parser that fails on blank
+    lines and comments; point it at a normalized copy of what deepspeed_xla already parsed."""
+    folder = _normalized_env_dir()
+    return [folder] if folder else original
+
+
+def _runner_env_name(original):
+    return _ENV_FILE_NAME if _normalized_env_dir() else original
+
+
 class Patch(NamedTuple):
     module: str
-    #: Class holding ``attr``, or "" for a module-level function.
+    #: Class holding ``attr``, or "" for a module-level name.
     owner: str
     attr: str
+    #: Called with the upstream value; returns the replacement.
     wrapper: Callable
     #: sha256 prefix of the upstream source the wrapper was written against.
     digest: str
+    #: For a data attribute: the function whose use of it the patch relies on (digest is of its source).
+    reads: str = ""
 
 
 # DeepSpeed imports has_inf_or_nan by name, so every importing module's binding is patched.
@@ -127,6 +161,10 @@ PATCHES = [
           _engine_configure_zero_optimizer, "f31cf07a5d4f4170"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", _engine_take_model_step,
           "c4c6e01aa1fc4e7d"),
+    Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_PATHS", _runner_env_paths, "d40ac82930b5b28f",
+          reads="main"),
+    Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_NAME", _runner_env_name, "d40ac82930b5b28f",
+          reads="main"),
 ]
 
 PATCHED_MODULES = sorted({p.module for p in PATCHES})
@@ -154,17 +192,33 @@ def on_module_loaded(module) -> None:
             _apply(module, patch)
 
 
+_applied = set()
+
+
+def _owner(patch: Patch):
+    import importlib
+    module = importlib.import_module(patch.module)
+    return getattr(module, patch.owner) if patch.owner else module
+
+
+def upstream_digest(patch: Patch) -> str:
+    """Digest of the upstream code the patch depends on, whether or not the patch is applied."""
+    return source_digest(inspect.unwrap(getattr(_owner(patch), patch.reads or patch.attr)))
+
+
+def is_applied(patch: Patch) -> bool:
+    return patch in _applied
+
+
 def _apply(module, patch: Patch) -> None:
-    owner = getattr(module, patch.owner) if patch.owner else module
-    original = getattr(owner, patch.attr)
-    if getattr(original, "__deepspeed_xla_patch__", False):
+    if patch in _applied:
         return
-    if source_digest(original) != patch.digest:
-        warnings.warn(f"deepspeed_xla: {patch.module}.{patch.owner}.{patch.attr} differs from DeepSpeed {WRITTEN_FOR}; patched "
-                      "anyway, re-check deepspeed_xla/patches.py against this DeepSpeed.")
-    wrapped = patch.wrapper(original)
-    wrapped.__deepspeed_xla_patch__ = True
-    setattr(owner, patch.attr, wrapped)
+    if upstream_digest(patch) != patch.digest:
+        warnings.warn(f"deepspeed_xla: {patch.module}.{patch.owner}.{patch.attr} differs from DeepSpeed "
+                      f"{WRITTEN_FOR}; patched anyway, re-check deepspeed_xla/patches.py against this DeepSpeed.")
+    owner = _owner(patch)
+    setattr(owner, patch.attr, patch.wrapper(getattr(owner, patch.attr)))
+    _applied.add(patch)
 
 
 def apply_all() -> None:

@@ -4,4 +4,4 @@
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 set -euo pipefail
 cd "$DSX_ROOT"
-python -m pytest tests -q -p no:cacheprovider --timeout 900 "$@"
+python -m pytest tests -q -p no:cacheprovider --timeout 900 --durations=15 "$@"

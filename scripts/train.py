@@ -91,8 +91,10 @@ def pipeline_model(args, stages: int):
     layers += [LayerSpec(nn.LayerNorm, args.dim),
                TiedLayerSpec("embed", Embedding, args.vocab, args.dim, args.seq, forward_fn=tied_head,
                              tied_weight_attr=["tok.weight"])]
+    # Only blocks are recomputed: the embedding's input (token ids) carries no gradient to checkpoint.
     return PipelineModule(layers=layers, loss_fn=lm_loss, num_stages=stages, partition_method="uniform",
-                          activation_checkpoint_interval=args.activation_checkpoint_interval)
+                          activation_checkpoint_interval=args.activation_checkpoint_interval,
+                          checkpointable_layers=["Block"])
 
 
 def make_batch(step: int, rank: int, batch: int, seq: int, vocab: int):
@@ -137,6 +139,8 @@ def main():
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--pipeline-stages", type=int, default=0, help="train as a DeepSpeed PipelineModule")
     parser.add_argument("--activation-checkpoint-interval", type=int, default=0)
+    parser.add_argument("--client-optimizer", action="store_true",
+                        help="build torch.optim.AdamW before deepspeed.initialize instead of using the config's")
     parser.add_argument("--losses-out", default=None, help="write per-step losses (rank 0) as JSON here")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     parser = deepspeed.add_config_arguments(parser)
@@ -148,7 +152,9 @@ def main():
         model = pipeline_model(args, args.pipeline_stages)
     else:
         model = TinyGPT(args.vocab, args.dim, args.layers, seq=args.seq)
-    engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=0.003, weight_decay=0.01) if args.client_optimizer else None
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=params, optimizer=optimizer)
     pipelined = args.pipeline_stages > 0
     rank = engine.global_rank
     data_rank = engine.grid.get_data_parallel_rank() if pipelined else rank

@@ -19,3 +19,14 @@ def test_single_process_losses_match_cpu_accelerator(tmp_path, stage, bf16):
     assert len(xla["losses"]) == 20
     assert xla["losses"][-1] < xla["losses"][0] - 0.5, "the model did not train"
     assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[bf16]
+
+
+def test_client_optimizer_accumulation_clipping_and_scheduler(tmp_path):
+    """A torch optimizer built before ``initialize`` (on the CPU parameters), gradient accumulation,
+    clipping and an LR schedule: the engine must move the model without orphaning the optimizer."""
+    config = ds_config(2, accumulation=2, gradient_clipping=0.5,
+                       scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}})
+    del config["optimizer"]
+    xla, cpu = run_against_cpu(tmp_path, config, steps=8, train_args=("--client-optimizer", ))
+    assert xla["losses"][-1] < xla["losses"][0]
+    assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[False]
