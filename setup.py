@@ -52,6 +52,5 @@ setup(
         "tpu": ["torch_xla[tpu]==2.9.0"],
         "test": ["pytest", "pytest-timeout", "matplotlib"],
     },
-    entry_points={"console_scripts": ["ds_xla_report=deepspeed_xla.report:main"]},
     cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth},
 )

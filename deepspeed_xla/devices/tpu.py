@@ -8,6 +8,7 @@ from typing import Dict, List, Mapping, MutableMapping
 from deepspeed_xla.devices.base import DeviceType
 
 TPU_BASE_PORT = 8476
+GOOGLE_PCI_VENDOR = "0x1ae0"
 
 
 class TpuDevice(DeviceType):
@@ -24,13 +25,16 @@ class TpuDevice(DeviceType):
 
     @staticmethod
     def _pci_chip_count() -> int:
+        """tpu-info's PCI scan; without tpu-info, Google-vendor PCI devices (no torch_xla import: this
+        runs in every process that imports DeepSpeed with ``DS_ACCELERATOR`` unset)."""
         try:
             from tpu_info import device
             chip_type, count = device.get_local_chips()
             return count if chip_type is not None else 0
-        except (ImportError, OSError, AssertionError):
-            from torch_xla._internal import tpu
-            return tpu.num_available_chips()
+        except ImportError:
+            import glob
+            vendors = glob.glob("/sys/bus/pci/devices/*/vendor")
+            return sum(1 for path in vendors if open(path).read().strip() == GOOGLE_PCI_VENDOR)
 
     def configure_process(self, local_rank, local_size, node_rank, env: MutableMapping[str, str]) -> None:
         from torch_xla._internal import tpu
