@@ -55,11 +55,17 @@ def read_env_files(environ=os.environ) -> List[Tuple[str, Dict[str, str]]]:
     return result
 
 
-def apply_deepspeed_env(environ: MutableMapping[str, str]) -> Dict[str, str]:
-    """Set variables from the env files that the shell did not set; returns what was applied."""
+def merged_env_values(environ=os.environ) -> Dict[str, str]:
+    """What the env files set, later files winning (DeepSpeed's precedence)."""
     merged: Dict[str, str] = {}
     for _, values in read_env_files(environ):
         merged.update(values)
+    return merged
+
+
+def apply_deepspeed_env(environ: MutableMapping[str, str]) -> Dict[str, str]:
+    """Set variables from the env files that the shell did not set; returns what was applied."""
+    merged = merged_env_values(environ)
     applied = {}
     for key, value in merged.items():
         if key in environ:

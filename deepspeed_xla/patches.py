@@ -112,10 +112,8 @@ def _normalized_env_dir() -> str:
     """One clean ``.deepspeed_env`` holding what our parser read from the user's files, or "" if none."""
     import os
     import tempfile
-    from deepspeed_xla.env_file import read_env_files
-    merged = {}
-    for _, values in read_env_files():
-        merged.update(values)
+    from deepspeed_xla.env_file import merged_env_values
+    merged = merged_env_values()
     if not merged:
         return ""
     folder = tempfile.mkdtemp(prefix="deepspeed_xla_env_")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, ProcessGroup
 
 from deepspeed_xla import xla_runtime
+from deepspeed_xla.comm import completed_work as _done
 
 BACKEND_NAME = "xla_host"
 
@@ -49,12 +50,6 @@ def _write_back(targets: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor]) 
 def _wait(works) -> None:
     for work in works if isinstance(works, (list, tuple)) else [works]:
         work.wait()
-
-
-def _done(result=None) -> dist.Work:
-    future = torch.futures.Future()
-    future.set_result(result)
-    return torch._C._distributed_c10d._create_work_from_future(future)
 
 
 def _flatten(lists: Sequence[Sequence[torch.Tensor]]) -> List[torch.Tensor]:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_xla import xla_runtime
+from deepspeed_xla.comm import completed_work as _done
 
 BACKEND_NAME = "xla_ds"
 
@@ -20,12 +21,6 @@ BACKEND_NAME = "xla_ds"
 def _base_class():
     import torch_xla.distributed.xla_backend as xla_backend
     return xla_backend.ProcessGroupXla
-
-
-def _done(result) -> dist.Work:
-    future = torch.futures.Future()
-    future.set_result(result)
-    return torch._C._distributed_c10d._create_work_from_future(future)
 
 
 def pad_chunks(tensor: torch.Tensor, splits: Sequence[int], width: int) -> torch.Tensor:
