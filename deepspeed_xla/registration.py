@@ -11,7 +11,7 @@ import warnings
 from deepspeed_xla.bootstrap import ACCELERATOR_NAME
 
 
-def _wants_xla() -> bool:
+def wants_xla() -> bool:
     """``DS_ACCELERATOR=xla``; or, with it unset, a host that really has TPU chips."""
     requested = os.environ.get("DS_ACCELERATOR", "").strip().lower()
     if requested:
@@ -41,7 +41,7 @@ def on_real_accelerator_loaded(module) -> None:
         apply_deepspeed_env(os.environ)
     if ACCELERATOR_NAME not in module.SUPPORTED_ACCELERATOR_LIST:
         module.SUPPORTED_ACCELERATOR_LIST.append(ACCELERATOR_NAME)
-    if module.ds_accelerator is None and _wants_xla():
+    if module.ds_accelerator is None and wants_xla():
         from deepspeed_xla.accelerator import XLA_Accelerator
         module.ds_accelerator = XLA_Accelerator()
         os.environ.setdefault("DS_ACCELERATOR", ACCELERATOR_NAME)

@@ -5,25 +5,41 @@ seconds and writes ``PJRT_DEVICE``) and leaves a single module to port to a futu
 """
 import functools
 from importlib import metadata
+from typing import Optional
 
 
-def _base_version(version: str) -> str:
+def base_version(version: str) -> str:
+    """The release without the local build tag: ``2.9.0+cpu`` -> ``2.9.0``."""
     return version.split("+")[0]
+
+
+def installed_version(name: str) -> Optional[str]:
+    """The installed version of distribution ``name`` (None if absent), from metadata: imports nothing."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def pair_problem(torch_version: Optional[str], xla_version: Optional[str]) -> Optional[str]:
+    """Why torch_xla cannot load with these installed versions (None when it can), naming the fix."""
+    for name, version in (("torch", torch_version), ("torch_xla", xla_version)):
+        if version is None:
+            return (f"DS_ACCELERATOR=xla needs {name} installed: pip install torch==2.9.0 torch_xla==2.9.0 (add "
+                    "torch_xla[tpu] on a TPU VM).")
+    if base_version(torch_version) != base_version(xla_version):
+        return (f"torch {torch_version} and torch_xla {xla_version} are not a matching pair (torch_xla is built "
+                f"against one torch release): pip install torch=={base_version(xla_version)} or "
+                f"torch_xla=={base_version(torch_version)}.")
+    return None
 
 
 @functools.lru_cache(maxsize=None)
 def torch_xla():
     """Import torch_xla, or fail with one line that names the fix."""
-    try:
-        torch_version = metadata.version("torch")
-        xla_version = metadata.version("torch_xla")
-    except metadata.PackageNotFoundError as exc:
-        raise ImportError(f"DS_ACCELERATOR=xla needs {exc.name} installed: pip install torch==2.9.0 "
-                          "torch_xla==2.9.0 (add torch_xla[tpu] on a TPU VM).") from None
-    if _base_version(torch_version) != _base_version(xla_version):
-        raise ImportError(f"torch {torch_version} and torch_xla {xla_version} are not a matching pair (torch_xla is "
-                          f"built against one torch release): pip install torch=={_base_version(xla_version)} "
-                          f"or torch_xla=={_base_version(torch_version)}.")
+    problem = pair_problem(installed_version("torch"), installed_version("torch_xla"))
+    if problem:
+        raise ImportError(problem)
     import torch_xla as module
     import torch_xla.core.xla_model  # noqa: F401
     import torch_xla.runtime  # noqa: F401
@@ -51,11 +67,16 @@ def device(index: int = 0):
     return torch.device("xla", index)
 
 
+def wait_device() -> None:
+    """Block until the device finished every queued execution; unlike ``sync`` it cuts no graph."""
+    xm().wait_device_ops()
+
+
 def sync(wait: bool = True) -> None:
     """Cut the lazy graph here and, with ``wait``, block until the device finished it."""
     torch_xla().sync()
     if wait:
-        xm().wait_device_ops()
+        wait_device()
 
 
 def set_seed(seed: int) -> None:
@@ -88,8 +109,12 @@ def to_host(tensors):
 
 
 def graph_counters() -> dict:
-    """Compilations, graph executions and device->host transfers so far in this process (torch_xla metrics)."""
+    """Compilations, graph executions and device->host transfers so far in this process (torch_xla metrics).
+
+    Waits for queued executions first: torch_xla counts an execution when it completes.
+    """
     import torch_xla.debug.metrics as met
+    wait_device()
 
     def count(name):
         data = met.metric_data(name)
@@ -97,3 +122,22 @@ def graph_counters() -> dict:
 
     return {"compilations": count("CompileTime"), "executions": count("ExecuteTime"),
             "transfers_to_host": count("TransferFromDeviceTime")}
+
+
+def live_device_bytes() -> int:
+    """Bytes of the distinct device buffers that live XLA tensors of this process hold.
+
+    PJRT CPU has no allocator statistics (``memory_info`` fails), so this counts what the process holds instead:
+    every tensor with its own buffer, once; views and pending results own none. Call it after a sync.
+    """
+    import gc
+    import torch
+    handles = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "xla":
+            try:
+                handle = torch_xla()._XLAC._get_tensors_handle([obj])[0]
+            except RuntimeError:  # a view or an unexecuted result: no buffer of its own
+                continue
+            handles[handle] = obj.numel() * obj.element_size()
+    return sum(handles.values())

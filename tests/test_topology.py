@@ -12,8 +12,11 @@ from deepspeed_xla.topology import ProcessLayout, fill_single_process_env, proce
     ({"MV2_COMM_WORLD_LOCAL_RANK": "1", "MV2_COMM_WORLD_LOCAL_SIZE": "2"}, ProcessLayout(1, 2, 0)),
     ({"MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}, ProcessLayout(0, 2, 0)),
     ({"SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NODEID": "5"}, ProcessLayout(3, 4, 5)),
+    ({"SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2),2", "SLURM_NODEID": "7", "SLURM_STEP_NODEID": "2"},
+     ProcessLayout(1, 2, 2)),
     ({}, ProcessLayout(0, 1, 0)),
-], ids=["deepspeed", "torchrun", "openmpi", "mvapich", "intel-mpi", "slurm", "plain-python"])
+], ids=["deepspeed", "torchrun", "openmpi", "mvapich", "intel-mpi", "slurm", "slurm-without-ntasks-per-node",
+        "plain-python"])
 def test_process_layout_from_each_launcher(env, expected):
     assert process_layout(env) == expected
 

@@ -7,9 +7,12 @@ gloo directly. Everything above torch.distributed (DeepSpeed's comm layer, ZeRO,
 engine) runs the same code as on TPU, where the ``xla`` backend is used instead.
 
 Subgroups work as usual: ``new_group`` calls the creator again with the group's own store.
+gloo's timeout is the group's, or ``DS_XLA_COMM_TIMEOUT``; a failed gloo op names the failed rank
+(``comm/watchdog.py``).
 Collectives complete before they return (the returned Work is already finished); sends and receives
 run until their Work is waited on, so paired isend/irecv do not deadlock.
 """
+import os
 from datetime import timedelta
 from typing import List, Sequence
 
@@ -19,8 +22,10 @@ from torch._C._distributed_c10d import AllgatherOptions, ProcessGroup
 
 from deepspeed_xla import xla_runtime
 from deepspeed_xla.comm import completed_work as _done
+from deepspeed_xla.comm import watchdog
 
 BACKEND_NAME = "xla_host"
+_GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
 
 
 def _is_xla(tensor: torch.Tensor) -> bool:
@@ -48,8 +53,11 @@ def _write_back(targets: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor]) 
 
 
 def _wait(works) -> None:
-    for work in works if isinstance(works, (list, tuple)) else [works]:
-        work.wait()
+    try:
+        for work in works if isinstance(works, (list, tuple)) else [works]:
+            work.wait()
+    except RuntimeError as error:  # gloo: a peer closed the connection, or the timeout passed
+        watchdog.explain_failure(error)
 
 
 def _flatten(lists: Sequence[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
@@ -64,6 +72,24 @@ def _unflatten(flat: Sequence[torch.Tensor], like: Sequence[Sequence[torch.Tenso
 def _as_1d(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """1-d views: gloo's tensor collectives take only the concatenated layout, torch also the stacked one."""
     return [t.view(-1) for t in tensors]
+
+
+def _gloo_group(store, rank: int, size: int, timeout: timedelta, lazy: bool) -> dist.ProcessGroupGloo:
+    """A gloo group; ``lazy`` connects each pair of ranks when they first talk, not all pairs up front.
+
+    gloo reads ``TORCH_GLOO_LAZY_INIT`` when a group is built and has no constructor argument for it.
+    """
+    if not lazy:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    previous = os.environ.get(_GLOO_LAZY)
+    os.environ[_GLOO_LAZY] = "1"
+    try:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    finally:
+        if previous is None:
+            del os.environ[_GLOO_LAZY]
+        else:
+            os.environ[_GLOO_LAZY] = previous
 
 
 class _HostWork(dist.Work):
@@ -87,9 +113,9 @@ class _HostWork(dist.Work):
 class HostStagedProcessGroup(ProcessGroup):
     """Collectives for XLA tensors over gloo, staged through host memory."""
 
-    def __init__(self, store, rank: int, size: int, timeout: timedelta):
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, connect_on_first_use: bool = False):
         super().__init__(rank, size)
-        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._gloo = _gloo_group(store, rank, size, timeout, connect_on_first_use)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -198,8 +224,8 @@ class HostStagedProcessGroup(ProcessGroup):
         """gloo has no list all-to-all: one alltoall_base between flat buffers split by numel."""
         out_sizes = [t.numel() for t in outputs]
         flat_out = torch.empty(sum(out_sizes), dtype=outputs[0].dtype)
-        self._gloo.alltoall_base(flat_out, torch.cat(_as_1d(inputs)), out_sizes, [t.numel() for t in inputs],
-                                 opts).wait()
+        _wait(self._gloo.alltoall_base(flat_out, torch.cat(_as_1d(inputs)), out_sizes, [t.numel() for t in inputs],
+                                       opts))
         for output, chunk in zip(outputs, flat_out.split(out_sizes)):
             output.copy_(chunk.view_as(output))
         return _done()
@@ -215,13 +241,14 @@ class HostStagedProcessGroup(ProcessGroup):
         return self._start([], tensors, lambda _, o: self._gloo.recv_anysource(o, tag))
 
     def barrier(self, opts=None):
-        self._gloo.barrier(opts or dist.BarrierOptions()).wait()
+        _wait(self._gloo.barrier(opts or dist.BarrierOptions()))
         return _done()
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         return self.barrier()
 
 
+@watchdog.watched
 def _create(store, rank, size, timeout):
     return HostStagedProcessGroup(store, rank, size, timeout)
 

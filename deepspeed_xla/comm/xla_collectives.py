@@ -5,15 +5,23 @@ Used where XLA itself connects the processes (TPU). Upstream ``ProcessGroupXla``
 - CPU tensors are rejected, but torch.distributed's object collectives (checkpoint tags,
   ``broadcast_object_list``) use CPU tensors for this group;
 - ``allreduce_coalesced`` raises, and ``alltoall_base`` ignores split sizes and the group.
-This subclass fixes exactly those and leaves every other op to torch_xla.
+- ``send``/``recv`` compile a pairwise ``collective_permute`` that only the two peers run, and a
+  subgroup's collectives use the group alone as XLA replica groups; XLA on TPU needs replica groups
+  that tile the whole world (pytorch/xla#8271).
+This subclass fixes exactly those and leaves every other op to torch_xla. Point-to-point transfers
+(DeepSpeed's pipeline activations and gradients) and subgroups that cannot tile the world go through
+host memory over gloo (``host_staged``); subgroups that do tile it — DeepSpeed's data, pipe and model
+groups — run XLA collectives with the full tiling as replica groups.
 """
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from deepspeed_xla import xla_runtime
 from deepspeed_xla.comm import completed_work as _done
+from deepspeed_xla.comm import watchdog
+from deepspeed_xla.comm.host_staged import HostStagedProcessGroup
 
 BACKEND_NAME = "xla_ds"
 
@@ -36,14 +44,76 @@ def unpad_chunks(stacked: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
     return torch.cat([stacked[i, :n] for i, n in enumerate(splits)])
 
 
+def tiling_mesh(ranks: Sequence[int], world_size: int) -> Optional[List[List[int]]]:
+    """The world split into translates of ``ranks`` (how DeepSpeed's topology groups tile it), or None.
+
+    XLA replica groups must cover every device once; torch_xla infers them only for 2-d layouts.
+    """
+    ranks = sorted(ranks)
+    offsets = [r - ranks[0] for r in ranks]
+    mesh, covered = [], set()
+    for start in range(world_size):
+        if start in covered:
+            continue
+        group = [start + offset for offset in offsets]
+        if any(r >= world_size or r in covered for r in group):
+            return None
+        covered.update(group)
+        mesh.append(group)
+    return mesh
+
+
+# Ops a subgroup that cannot tile the world runs through host memory instead of XLA.
+_COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
+                "broadcast", "reduce", "reduce_scatter", "_reduce_scatter_base", "alltoall", "alltoall_base",
+                "gather", "scatter", "barrier")
+
+
+def _xla_or_host(name: str, xla_op: Callable) -> Callable:
+    def op(self, *args, **kwargs):
+        if self._mesh is None:
+            return getattr(self._host, name)(*args, **kwargs)
+        return xla_op(self, *args, **kwargs)
+
+    op.__name__ = name
+    return op
+
+
 def make_process_group_class():
     """Built on first use: importing torch_xla's backend module is only allowed in worker processes."""
     base = _base_class()
 
     class DeepSpeedXlaProcessGroup(base):
 
+        def __init__(self, store, rank: int, size: int, timeout):
+            super().__init__(store, rank, size, timeout)
+            # Only pairs that exchange data connect: pipeline neighbours, members of host-only groups.
+            self._host = HostStagedProcessGroup(dist.PrefixStore("host/", store), rank, size, timeout,
+                                                connect_on_first_use=True)
+
         def getBackendName(self) -> str:
             return BACKEND_NAME
+
+        @property
+        def _mesh(self) -> Optional[List[List[int]]]:
+            """XLA replica groups; None routes this group's collectives through host memory."""
+            return self.__dict__.get("_replica_groups", [])
+
+        @_mesh.setter
+        def _mesh(self, groups: List[List[int]]) -> None:
+            """torch_xla's ``new_group`` sets ``[ranks]`` for a subgroup: widen it to a tiling of the world."""
+            if len(groups) == 1 and len(groups[0]) < dist.get_world_size():
+                groups = tiling_mesh(groups[0], dist.get_world_size())
+            self.__dict__["_replica_groups"] = groups
+
+        def send(self, tensors, dst, tag=0):
+            return self._host.send(tensors, dst, tag)
+
+        def recv(self, tensors, src, tag=0):
+            return self._host.recv(tensors, src, tag)
+
+        def recv_anysource(self, tensors, tag=0):
+            return self._host.recv_anysource(tensors, tag)
 
         def _device(self):
             return xla_runtime.device()
@@ -105,9 +175,12 @@ def make_process_group_class():
             output.copy_(unpad_chunks(exchanged.reshape(size, width, *input.shape[1:]), out_splits))
             return _done([output])
 
+    for name in _COLLECTIVES:
+        setattr(DeepSpeedXlaProcessGroup, name, _xla_or_host(name, getattr(DeepSpeedXlaProcessGroup, name)))
     return DeepSpeedXlaProcessGroup
 
 
+@watchdog.watched
 def _create(store, rank, size, timeout):
     return make_process_group_class()(store, rank, size, timeout)
 

@@ -27,14 +27,36 @@ class DeviceType(ABC):
     def local_device_count(self) -> int:
         """Devices on this host (= processes the launcher may start); must not start the runtime."""
 
+    def describe(self) -> str:
+        """What this host has of this device type, in a few words for ``ds_xla_report``; never starts the runtime."""
+        return f"{self.local_device_count()} {self.pjrt_name} device(s)"
+
+    def setup_problems(self) -> List[str]:
+        """Why this host cannot run this device type, each naming the fix (empty when it can); never starts the
+        runtime. ``ds_xla_report`` prints them."""
+        return []
+
     def too_few_devices_hint(self) -> str:
         """How to get more devices, for the error when a host is asked for more processes than it has."""
         return "or use a host with more devices"
+
+    def process_count_problem(self, processes: int, available: int) -> Optional[str]:
+        """Why a host with ``available`` devices cannot run ``processes`` workers (one device each), naming
+        the fix; None when it can. Default: any number up to one per device."""
+        if processes <= available:
+            return None
+        return (f"{processes} processes were requested on this host but it has {available} {self.pjrt_name} "
+                f"device(s): launch with deepspeed --num_gpus {available} or fewer (in a hostfile: slots={available} "
+                f"or fewer for this host), {self.too_few_devices_hint()}.")
 
     @abstractmethod
     def configure_process(self, local_rank: int, local_size: int, node_rank: int,
                           env: MutableMapping[str, str]) -> None:
         """Write this process's PJRT topology into ``env`` before the runtime starts."""
+
+    def prepare_runtime(self) -> None:
+        """Last step of a worker's setup, after ``configure_process`` and ``import torch_xla``, before any
+        device use: e.g. register the PJRT plugin that serves this device type. Default: nothing."""
 
     @abstractmethod
     def communication_backend(self) -> str:
@@ -56,6 +78,10 @@ class DeviceType(ABC):
             return dict(xla_runtime.memory_info(device))
         except (RuntimeError, NotImplementedError):
             return None
+
+    def peak_bf16_flops(self) -> Optional[float]:
+        """Peak dense bf16 FLOP/s of one device (= one process), for MFU; None when unknown or meaningless."""
+        return None
 
     def export_env_prefixes(self) -> List[str]:
         """Variable-name prefixes the multi-node runner forwards to other hosts."""

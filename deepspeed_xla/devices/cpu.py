@@ -16,6 +16,11 @@ class CpuDevice(DeviceType):
         """``CPU_NUM_DEVICES`` if set (to run more processes than cores), else one per core."""
         return int_env(os.environ, "CPU_NUM_DEVICES") or cpu_count()
 
+    def describe(self) -> str:
+        source = ("from CPU_NUM_DEVICES" if int_env(os.environ, "CPU_NUM_DEVICES")
+                  else "one per core; CPU_NUM_DEVICES sets another count")
+        return f"{self.local_device_count()} PJRT CPU device(s) ({source})"
+
     def too_few_devices_hint(self) -> str:
         return "or set CPU_NUM_DEVICES to run more PJRT CPU processes than cores"
 

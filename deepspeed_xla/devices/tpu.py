@@ -3,12 +3,19 @@
 Nothing here may start the PJRT runtime: ``local_device_count`` runs in the ``deepspeed`` launcher,
 and ``configure_process`` must finish before the worker's first device use.
 """
-from typing import Dict, List, Mapping, MutableMapping
+import os
+import re
+from typing import TYPE_CHECKING, Dict, List, Mapping, MutableMapping, Optional, Tuple
 
 from deepspeed_xla.devices.base import DeviceType
 
+if TYPE_CHECKING:
+    from tpu_info.device import TpuChip
+
 TPU_BASE_PORT = 8476
 GOOGLE_PCI_VENDOR = "0x1ae0"
+# Peak dense bf16 TFLOP/s per chip (Cloud TPU system-architecture pages), keyed by tpu-info's chip name.
+PEAK_BF16_TFLOPS_PER_CHIP = {"v4": 275, "v5e": 197, "v5p": 459, "v6e": 918, "7x": 2307}
 
 
 class TpuDevice(DeviceType):
@@ -17,35 +24,59 @@ class TpuDevice(DeviceType):
     has_xla_collectives = True
 
     def is_present(self) -> bool:
-        return self._pci_chip_count() > 0
+        return self.local_device_count() > 0
 
     def local_device_count(self) -> int:
         """Chips on this host, from PCI (tpu-info); never the runtime."""
-        return self._pci_chip_count()
+        return _pci_chips()[1]
 
-    @staticmethod
-    def _pci_chip_count() -> int:
-        """tpu-info's PCI scan; without tpu-info, Google-vendor PCI devices (no torch_xla import: this
-        runs in every process that imports DeepSpeed with ``DS_ACCELERATOR`` unset)."""
-        try:
-            from tpu_info import device
-            chip_type, count = device.get_local_chips()
-            return count if chip_type is not None else 0
-        except ImportError:
-            import glob
-            vendors = glob.glob("/sys/bus/pci/devices/*/vendor")
-            return sum(1 for path in vendors if open(path).read().strip() == GOOGLE_PCI_VENDOR)
+    def describe(self) -> str:
+        chip, count = _pci_chips()
+        chips = f"{count} x {chip if chip is not None else 'Google PCI device (chip type: install tpu-info)'}"
+        return f"{chips if count else 'no TPU chips on PCI'}; libtpu: {libtpu_path() or 'not found'}"
+
+    def setup_problems(self) -> List[str]:
+        chip, count = _pci_chips()
+        problems = [] if count else ["PJRT_DEVICE=TPU but this host has no TPU chips on PCI: run on a Cloud TPU VM, "
+                                     "or set PJRT_DEVICE=CPU."]
+        if chip is not None:
+            problems.append(unsupported_generation(int(re.match(r"v?(\d+)", chip.value.name).group(1))))
+        if libtpu_path() is None:
+            from deepspeed_xla.xla_runtime import base_version, installed_version
+            xla_version = installed_version("torch_xla")
+            pin = f"=={base_version(xla_version)}" if xla_version else ""
+            problems.append(f"libtpu (PJRT's TPU plugin) is not installed: pip install 'torch_xla[tpu]{pin}' (or set "
+                            "TPU_LIBRARY_PATH to a libtpu.so).")
+        return [problem for problem in problems if problem]
+
+    def process_count_problem(self, processes: int, available: int) -> Optional[str]:
+        """A slice runs one process per chip on every host (the topology libtpu is given counts them all);
+        a lone process on a single host takes one chip."""
+        if processes in (1, available):
+            return None
+        return (f"{processes} processes were requested on this host but it has {available} TPU chips, and a TPU "
+                f"host runs one process per chip (or a single process on one chip): launch with deepspeed --num_gpus "
+                f"{available} (in a hostfile: slots={available} for every host), or run 1 process.")
 
     def configure_process(self, local_rank, local_size, node_rank, env: MutableMapping[str, str]) -> None:
         from torch_xla._internal import tpu
         chip = _own_chip(env.get(self.visible_devices_env, ""), local_rank)
-        computed = tpu_process_env(local_rank, local_size, tpu.get_tpu_env(), tpu.version(),
-                                   tpu.get_worker_ips(), chip=chip)
+        if local_size == 1:
+            computed = one_chip_env(chip, tpu.version(), len(tpu.get_worker_ips()))
+        else:
+            computed = tpu_process_env(local_rank, local_size, tpu.get_tpu_env(), tpu.version(),
+                                       tpu.get_worker_ips(), chip=chip)
         env[self.visible_devices_env] = computed.pop(self.visible_devices_env)
         for key, value in computed.items():
             env.setdefault(key, value)
         env.setdefault("PJRT_LOCAL_PROCESS_RANK", str(local_rank))
         env.setdefault("PJRT_LOCAL_PROCESS_COUNT", str(local_size))
+
+    def peak_bf16_flops(self) -> Optional[float]:
+        """The chip's peak over its devices (TPU7x: two per chip, one process each); None without tpu-info."""
+        chip, _ = _pci_chips()
+        tflops = PEAK_BF16_TFLOPS_PER_CHIP.get(chip.value.name) if chip is not None else None
+        return tflops * 1e12 / chip.value.devices_per_chip if tflops else None
 
     def communication_backend(self) -> str:
         from deepspeed_xla.comm import xla_collectives
@@ -54,6 +85,41 @@ class TpuDevice(DeviceType):
 
     def export_env_prefixes(self):
         return super().export_env_prefixes() + ["TPU_", "LIBTPU_"]
+
+
+def _pci_chips() -> Tuple[Optional["TpuChip"], int]:
+    """tpu-info's PCI scan: (chip type, count); without tpu-info, Google-vendor PCI devices and no type. No
+    torch_xla import: this runs in every process that imports DeepSpeed with ``DS_ACCELERATOR`` unset."""
+    try:
+        from tpu_info import device
+    except ImportError:
+        import glob
+        vendors = glob.glob("/sys/bus/pci/devices/*/vendor")
+        return None, sum(1 for path in vendors if open(path).read().strip() == GOOGLE_PCI_VENDOR)
+    chip_type, count = device.get_local_chips()
+    return (chip_type, count) if chip_type is not None else (None, 0)
+
+
+def libtpu_path() -> Optional[str]:
+    """Where torch_xla would load libtpu from, searched in its order ($TPU_LIBRARY_PATH, the copy bundled in
+    torch_xla/lib, the libtpu package) without importing either package."""
+    import importlib.util
+    if os.environ.get("TPU_LIBRARY_PATH"):
+        return os.environ["TPU_LIBRARY_PATH"]
+    xla = importlib.util.find_spec("torch_xla")
+    for folder in (xla.submodule_search_locations or []) if xla else []:
+        if os.path.isfile(os.path.join(folder, "lib", "libtpu.so")):
+            return os.path.join(folder, "lib", "libtpu.so")
+    package = importlib.util.find_spec("libtpu")
+    return os.path.join(os.path.dirname(package.origin), "libtpu.so") if package and package.origin else None
+
+
+def unsupported_generation(tpu_version: int) -> Optional[str]:
+    """Why this TPU generation cannot run one process per device (None when it can), naming the fix."""
+    if tpu_version < 4:
+        return (f"TPU v{tpu_version} runs two devices per chip and is not supported by deepspeed_xla's "
+                "one-process-per-device model; use TPU v4 or newer.")
+    return None
 
 
 def _own_chip(visible: str, local_rank: int) -> int:
@@ -67,6 +133,19 @@ def _own_chip(visible: str, local_rank: int) -> int:
     return int(chips[local_rank])
 
 
+def one_chip_env(chip: int, tpu_version: int, hosts: int) -> Dict[str, str]:
+    """The libtpu environment of a lone process on one chip (torch_xla's ``configure_one_chip_topology``, what
+    ``xmp.spawn(nprocs=1)`` uses); a multi-host slice cannot run one process per host."""
+    problem = unsupported_generation(tpu_version)
+    if problem:
+        raise RuntimeError(problem)
+    if hosts > 1:
+        raise RuntimeError(f"One process was started on this host of a {hosts}-host TPU slice, but a multi-host slice "
+                           "runs one process per chip on every host: launch with deepspeed --num_gpus <chips per host> "
+                           "(in the hostfile: slots=<chips per host> for every host).")
+    return {"TPU_VISIBLE_CHIPS": str(chip), "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_BOUNDS": "1,1,1"}
+
+
 def _bounds(text: str) -> List[int]:
     return [int(x) for x in text.split(",")]
 
@@ -77,10 +156,9 @@ def tpu_process_env(local_rank: int, local_size: int, tpu_env: Mapping[str, str]
 
     ``tpu_env`` is the TPU VM metadata (``torch_xla._internal.tpu.get_tpu_env()``).
     """
-    if tpu_version < 4:
-        raise RuntimeError(
-            f"TPU v{tpu_version} runs two devices per chip and is not supported by deepspeed_xla's "
-            "one-process-per-device model; use TPU v4 or newer.")
+    problem = unsupported_generation(tpu_version)
+    if problem:
+        raise RuntimeError(problem)
     host_bounds = _bounds(tpu_env["TPU_PROCESS_BOUNDS"])
     chips_per_host = _bounds(tpu_env["TPU_CHIPS_PER_PROCESS_BOUNDS"])
     process_bounds = ",".join(str(h * c) for h, c in zip(host_bounds, chips_per_host))

@@ -65,3 +65,54 @@ def test_more_ranks_than_listed_chips_is_an_error(monkeypatch):
 def test_chip_count_without_tpu_is_zero():
     assert TpuDevice().local_device_count() == 0
     assert not TpuDevice().is_present()
+
+
+@pytest.mark.parametrize("library_path", [None, "/opt/libtpu/libtpu.so"])
+def test_libtpu_is_found_where_torch_xla_looks(monkeypatch, library_path):
+    import torch_xla
+
+    from deepspeed_xla.devices.tpu import libtpu_path
+    monkeypatch.setenv("PTXLA_TPU_LIBRARY_PATH", "")  # torch_xla writes it; monkeypatch restores it
+    monkeypatch.delenv("PTXLA_TPU_LIBRARY_PATH")
+    if library_path:
+        monkeypatch.setenv("TPU_LIBRARY_PATH", library_path)
+    else:
+        monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    ours = libtpu_path()
+    assert (ours is not None) == torch_xla._setup_tpu_vm_library_path()
+    assert ours == (os.environ.get("TPU_LIBRARY_PATH") or os.environ.get("PTXLA_TPU_LIBRARY_PATH"))
+
+
+def _fake_chips(monkeypatch, chip_name, count):
+    from tpu_info import device
+    chip = getattr(device.TpuChip, chip_name) if chip_name else None
+    monkeypatch.setattr(device, "get_local_chips", lambda: (chip, count))
+
+
+def test_setup_problems_name_the_fix(monkeypatch):
+    from deepspeed_xla.devices import tpu
+    from deepspeed_xla.xla_runtime import base_version, installed_version
+    monkeypatch.setenv("TPU_LIBRARY_PATH", "/opt/libtpu/libtpu.so")
+    _fake_chips(monkeypatch, "V5E", 4)
+    assert TpuDevice().describe() == "4 x TPU v5e chip; libtpu: /opt/libtpu/libtpu.so"
+    assert TpuDevice().setup_problems() == []
+    _fake_chips(monkeypatch, "V3", 4)
+    with pytest.raises(RuntimeError) as raised:
+        tpu.tpu_process_env(0, 4, {}, 3, ["localhost"])
+    assert TpuDevice().setup_problems() == [str(raised.value)]
+    _fake_chips(monkeypatch, None, 0)
+    monkeypatch.setattr(tpu, "libtpu_path", lambda: None)
+    assert TpuDevice().setup_problems() == [
+        "PJRT_DEVICE=TPU but this host has no TPU chips on PCI: run on a Cloud TPU VM, or set PJRT_DEVICE=CPU.",
+        "libtpu (PJRT's TPU plugin) is not installed: pip install "
+        f"'torch_xla[tpu]=={base_version(installed_version('torch_xla'))}' (or set TPU_LIBRARY_PATH to a libtpu.so)."]
+
+
+def test_peak_flops_are_per_device(monkeypatch):
+    """MFU divides by one device's peak: TPU7x chips hold two devices (two processes), other generations one."""
+    _fake_chips(monkeypatch, "V6E", 8)
+    assert TpuDevice().peak_bf16_flops() == 918e12
+    _fake_chips(monkeypatch, "V7X", 4)
+    assert TpuDevice().peak_bf16_flops() == 2307e12 / 2
+    _fake_chips(monkeypatch, None, 0)
+    assert TpuDevice().peak_bf16_flops() is None
