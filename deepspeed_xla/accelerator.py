@@ -15,7 +15,8 @@ from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 from deepspeed_xla import xla_runtime
 from deepspeed_xla.devices import current_device_type
 from deepspeed_xla.devices.base import int_env
-from deepspeed_xla.topology import setup_process
+from deepspeed_xla.registration import is_launcher_process
+from deepspeed_xla.topology import check_host_launch, check_launch_env, setup_process
 
 _DEVICE_INDEX = 0
 
@@ -243,6 +244,7 @@ class XLA_Accelerator(DeepSpeedAccelerator):
     def communication_backend_name(self):
         """Registers the backend with torch.distributed on first use (DeepSpeed inits right after)."""
         if self._communication_backend_name is None:
+            check_launch_env()
             self._communication_backend_name = current_device_type().communication_backend()
         return self._communication_backend_name
 
@@ -337,6 +339,10 @@ class XLA_Accelerator(DeepSpeedAccelerator):
         return [current_device_type().visible_devices_env]
 
     def set_visible_devices_envs(self, current_env, local_accelerator_ids):
+        """``launch.py`` calls this once per host, with the ids of the workers it is about to start; there it
+        checks the host first (a worker's own device count says nothing about the host)."""
+        if is_launcher_process():
+            check_host_launch(local_accelerator_ids)
         for name in self.visible_devices_envs():
             current_env[name] = ",".join(map(str, local_accelerator_ids))
 

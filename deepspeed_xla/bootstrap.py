@@ -13,14 +13,20 @@ import os
 import sys
 
 ACCELERATOR_NAME = "xla"
+#: The startup file in site-packages that calls ``install()`` (setup.py puts it there).
+PTH_FILE = "deepspeed_xla.pth"
+#: Set to 1 to keep the hook out of an interpreter.
+DISABLE_VARIABLE = "DS_XLA_DISABLE_HOOK"
 
 _PATCHES_HOOK = ("deepspeed_xla.patches", "on_module_loaded")
 # module -> (our module, function) run right after that module's body executed. The patched modules
 # must match deepspeed_xla.patches.PATCHED_MODULES (a test checks it; this file cannot import it).
 _AFTER_IMPORT = {
     "deepspeed.accelerator.real_accelerator": ("deepspeed_xla.registration", "on_real_accelerator_loaded"),
+    "deepspeed.runtime.config": _PATCHES_HOOK,
     "deepspeed.runtime.engine": _PATCHES_HOOK,
     "deepspeed.runtime.utils": _PATCHES_HOOK,
+    "deepspeed.runtime.bf16_optimizer": _PATCHES_HOOK,
     "deepspeed.runtime.zero.stage_1_and_2": _PATCHES_HOOK,
     "deepspeed.runtime.zero.stage3": _PATCHES_HOOK,
     "deepspeed.runtime.fp16.loss_scaler": _PATCHES_HOOK,
@@ -63,10 +69,15 @@ class _WrappingLoader:
         return getattr(self._loader, name)
 
 
+def is_active() -> bool:
+    """Whether the finder is installed in this interpreter (``ds_xla_report`` asks)."""
+    return any(isinstance(f, _DeepSpeedFinder) for f in sys.meta_path)
+
+
 def install() -> None:
     """Install the finder once per interpreter (``DS_XLA_DISABLE_HOOK=1`` turns it off)."""
-    if os.environ.get("DS_XLA_DISABLE_HOOK") == "1":
+    if os.environ.get(DISABLE_VARIABLE) == "1":
         return
-    if any(isinstance(f, _DeepSpeedFinder) for f in sys.meta_path):
+    if is_active():
         return
     sys.meta_path.insert(0, _DeepSpeedFinder())

@@ -47,21 +47,28 @@ def _engine_configure_distributed_model(original):
     return configure
 
 
-def _engine_take_model_step(original):
-    """End the lazy graph at the optimizer step: one XLA execution per step, bounded graph size.
+def _engine_sync_after(original):
+    """End the lazy graph when ``original`` returns.
 
-    DeepSpeed never marks steps (eager devices need no marker); without one the traced graph
-    grows across steps until the compiler runs out of memory. The pipeline engine steps here too.
+    ``_take_model_step``: one XLA execution per step, bounded graph size. DeepSpeed never marks steps
+    (eager devices need no marker); without one the traced graph grows across steps until the
+    compiler runs out of memory. The pipeline engine steps here too.
+
+    ``load_checkpoint``: the load leaves lazy computations over the freshly loaded buffers (ZeRO-3
+    rebuilds its partitions and gathered parameters from them). Left to the first step, one of them
+    reads a partition-sized buffer that step donates to an in-place update, and the second step
+    fails with "buffer ... is deleted" (seen with 2 ranks; gone with XLA_ENABLE_PARAM_ALIASING=0 or
+    this sync). Materialized here, the first step starts from device data, as after initialize.
     """
 
     @functools.wraps(original)
-    def take_model_step(self, *args, **kwargs):
+    def sync_after(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         from deepspeed_xla import xla_runtime
         xla_runtime.sync(wait=False)
         return result
 
-    return take_model_step
+    return sync_after
 
 
 def _engine_configure_zero_optimizer(original):
@@ -76,6 +83,7 @@ def _engine_configure_zero_optimizer(original):
     @functools.wraps(original)
     def configure(self, optimizer):
         numel = sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters())
+        numel += numel % 2  # ZeRO-1/2 assert an even all-gather bucket (4-byte alignment of 16-bit elements)
         zero = self._config.zero_config
         for field in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
             if getattr(zero, field, 0) > numel:
@@ -102,6 +110,111 @@ def _has_inf_or_nan(original):
         return torch.isfinite(x).all().logical_not()
 
     return has_inf_or_nan
+
+
+def _clip_tensors_by_global_norm(original):
+    """Scale by ``min(1, max_norm / (norm + eps))`` on the device instead of testing ``clip_coef < 1`` on the host.
+
+    The host test reads the norm (an extra graph execution every step) and puts a different graph
+    in the step whenever clipping switches on or off: a recompilation mid-run (bf16 optimizer,
+    pipeline engine). Multiplying by exactly 1.0 leaves unclipped gradients bit-identical.
+    """
+
+    @functools.wraps(original)
+    def clip_tensors_by_global_norm(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6):
+        import torch
+        if global_norm is None:
+            from deepspeed.runtime.utils import get_global_norm_of_tensors
+            global_norm = get_global_norm_of_tensors(input_tensors, mpu=mpu)
+        if not torch.is_tensor(global_norm) or global_norm.device.type != "xla":
+            return original(input_tensors, max_norm, global_norm, mpu, eps)
+        clip_coef = torch.clamp(max_norm / (global_norm + eps), max=1.0)
+        for tensor in input_tensors:
+            tensor.detach().mul_(clip_coef)
+        return global_norm
+
+    return clip_tensors_by_global_norm
+
+
+def _engine_create_checkpoint_engine(original):
+    """Give DeepSpeed's checkpoint engine CPU tensors: checkpoints written on XLA load without torch_xla."""
+
+    @functools.wraps(original)
+    def create_checkpoint_engine(*args, **kwargs):
+        from deepspeed_xla.checkpoint import CpuCheckpointEngine
+        return CpuCheckpointEngine(original(*args, **kwargs))
+
+    return create_checkpoint_engine
+
+
+def _engine_get_shared_params(original):
+    """Name tied parameters by Parameter identity: XLA tensors have no storage pointer.
+
+    Upstream finds shared weights by ``param.data_ptr()``, which is 0 for every XLA tensor, so every
+    parameter looks shared with the first one and ``zero_to_fp32`` writes the first parameter's values
+    under every name. Tied weights are one Parameter object reached under several names. ZeRO-3
+    identifies them by ``ds_id`` upstream and is left as it is.
+    """
+
+    @functools.wraps(original)
+    def get_shared_params(self):
+        from deepspeed import comm as dist
+        if self.zero_optimization_partition_weights() or dist.get_rank() != 0:
+            return original(self)
+        first_name, shared = {}, {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            if id(param) in first_name:
+                shared[name] = first_name[id(param)]
+            else:
+                first_name[id(param)] = name
+        return shared
+
+    return get_shared_params
+
+
+def _engine_save_checkpoint(original):
+    """Write ``latest`` only once every rank's files are on disk, and atomically.
+
+    Upstream rank 0 writes ``latest`` before the final barrier, so it can name a checkpoint another
+    rank is still writing (or dies writing). The upstream save ends with a barrier that every rank
+    reaches after its files; ``latest`` goes after it, then a barrier as upstream. Decoupled
+    (asynchronous) checkpoint engines write ``latest`` when they commit and are left as they are.
+    """
+
+    @functools.wraps(original)
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        client_state = {} if client_state is None else client_state
+        if self.checkpoint_engine.is_decoupled():
+            return original(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        result = original(self, save_dir, tag, client_state, False, exclude_frozen_parameters)
+        if save_latest:
+            from deepspeed import comm as dist
+            from deepspeed_xla.checkpoint import write_latest
+            if self.global_rank == 0:
+                write_latest(save_dir, tag)
+            dist.barrier()
+        return result
+
+    return save_checkpoint
+
+
+def _config_configure_train_batch_size(original):
+    """Refuse settings XLA cannot run (``config_checks``) as DeepSpeed parses the config, before it derives
+    batch sizes or builds anything; and explain DeepSpeed's bare batch-size assertion with the fix."""
+
+    @functools.wraps(original)
+    def configure_train_batch_size(self):
+        from deepspeed_xla import config_checks
+        config_checks.check_config(self)
+        try:
+            return original(self)
+        except AssertionError:
+            config_checks.check_batch_size(self)
+            raise
+
+    return configure_train_batch_size
 
 
 _ENV_FILE_NAME = ".deepspeed_env"
@@ -153,12 +266,23 @@ PATCHES = [
     *(Patch(module, "", "has_inf_or_nan", _has_inf_or_nan, _HAS_INF_OR_NAN_DIGEST)
       for module in ("deepspeed.runtime.utils", "deepspeed.runtime.zero.stage_1_and_2",
                      "deepspeed.runtime.zero.stage3", "deepspeed.runtime.fp16.loss_scaler")),
+    *(Patch(module, "", "clip_tensors_by_global_norm", _clip_tensors_by_global_norm, "7acb1d9576311c93")
+      for module in ("deepspeed.runtime.utils", "deepspeed.runtime.bf16_optimizer")),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_distributed_model",
           _engine_configure_distributed_model, "a9a57b807f5eed72"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_zero_optimizer",
           _engine_configure_zero_optimizer, "f31cf07a5d4f4170"),
-    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", _engine_take_model_step,
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", _engine_sync_after,
           "c4c6e01aa1fc4e7d"),
+    Patch("deepspeed.runtime.engine", "", "create_checkpoint_engine", _engine_create_checkpoint_engine,
+          "1adbe5fc9cc0c1d1"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "save_checkpoint", _engine_save_checkpoint,
+          "c92409217281487c"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_get_shared_params", _engine_get_shared_params,
+          "7ca3cfe76bcd4439"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "load_checkpoint", _engine_sync_after, "5728d3dfa42a3d6c"),
+    Patch("deepspeed.runtime.config", "DeepSpeedConfig", "_configure_train_batch_size",
+          _config_configure_train_batch_size, "5d0a45deff9d4487"),
     Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_PATHS", _runner_env_paths, "d40ac82930b5b28f",
           reads="main"),
     Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_NAME", _runner_env_name, "d40ac82930b5b28f",

@@ -128,16 +128,17 @@ def live_device_bytes() -> int:
     """Bytes of the distinct device buffers that live XLA tensors of this process hold.
 
     PJRT CPU has no allocator statistics (``memory_info`` fails), so this counts what the process holds instead:
-    every tensor with its own buffer, once; views and pending results own none. Call it after a sync.
+    every tensor with its own buffer, once; aliases share one and pending results have none. Call it after a sync.
     """
     import gc
     import torch
+    gc.collect()  # unreachable tensors waiting for the cycle collector hold no memory anyone can use
     handles = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "xla":
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "xla":  # type(): no __class__ lookups
             try:
                 handle = torch_xla()._XLAC._get_tensors_handle([obj])[0]
-            except RuntimeError:  # a view or an unexecuted result: no buffer of its own
+            except RuntimeError:  # not executed yet (or a view never materialized): no buffer of its own
                 continue
             handles[handle] = obj.numel() * obj.element_size()
     return sum(handles.values())

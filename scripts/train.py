@@ -6,11 +6,15 @@
 The data is generated (a noisy modular-arithmetic token stream), so nothing is downloaded. Every rank
 draws its own micro-batches from a seeded generator, identically on every accelerator, which is what
 lets the tests compare per-step losses across accelerators. ``--losses-out`` writes them, and the trained weights, as JSON.
+``--plot loss_curve.png`` draws rank 0's losses (matplotlib) when training ends.
+``--save-dir``/``--save-at`` write checkpoints; ``--load-dir`` resumes from the latest one at the step it was saved at.
+``--timings`` is how ``python -m deepspeed_xla.bench`` runs it: losses read once at the end, each step waited for.
 """
 import argparse
 import json
 import math
 import os
+import resource
 import time
 
 import torch
@@ -118,15 +122,81 @@ def graph_counters() -> dict:
     return xla_counters()
 
 
-def write_results(engine, losses, path: str, counters: dict) -> None:
-    """Per-step losses, trained weights and XLA graph counters as JSON (rank r>0 at ``path.rank<r>``)."""
+def wait_for_device() -> None:
+    """Block until the device finished its queued work; on XLA without cutting the lazy graph."""
+    if get_accelerator().device_name() != "xla":
+        get_accelerator().synchronize()
+        return
+    from deepspeed_xla.xla_runtime import wait_device
+    wait_device()
+
+
+def state_bytes(engine) -> int:
+    """Bytes of this rank's parameters and optimizer state as DeepSpeed holds them: ZeRO-3 parameters by their
+    partition (``ds_tensor``; a released parameter is empty), ZeRO's fp32 master partitions, the moments."""
+    tensors = {}
+    for param in engine.module.parameters():
+        for held in (param, getattr(param, "ds_tensor", None)):
+            if held is not None:
+                tensors[id(held)] = held
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO wraps the torch optimizer
+    for group in optimizer.param_groups:
+        tensors.update((id(param), param) for param in group["params"])
+    for state in optimizer.state.values():
+        tensors.update((id(value), value) for value in state.values() if torch.is_tensor(value))
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+
+
+def measurements(engine, step_times) -> dict:
+    """Each step's wall time, this process's peak RSS, its parameter and optimizer-state bytes and, on XLA, the
+    bytes of all its live device buffers."""
+    device_bytes = None
+    if get_accelerator().device_name() == "xla":
+        from deepspeed_xla.xla_runtime import live_device_bytes
+        device_bytes = live_device_bytes()
+    return {"step_times": step_times, "device_bytes": device_bytes, "state_bytes": state_bytes(engine),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+
+
+def mean_loss(micro_losses) -> float:
+    """A step's loss: the mean over its micro-batches (floats, or device tensors that are read here)."""
+    return sum(float(loss) / len(micro_losses) for loss in micro_losses)
+
+
+def resume(engine, load_dir: str) -> int:
+    """Load the latest checkpoint in ``load_dir``; returns the step to continue from."""
+    load_path, client_state = engine.load_checkpoint(load_dir)
+    if load_path is None:
+        raise SystemExit(f"--load-dir {load_dir}: no 'latest' checkpoint there; "
+                         "pass a directory written by --save-dir.")
+    return client_state["step"]
+
+
+def plot_losses(losses, first_step: int, title: str, path: str) -> None:
+    """Loss per step as a PNG; matplotlib is imported only here, so training never needs it."""
+    from matplotlib.figure import Figure  # a bare Figure renders with Agg: no display, no pyplot state
+    from matplotlib.ticker import MaxNLocator
+    figure = Figure(figsize=(6, 4), layout="tight")
+    axes = figure.subplots()
+    axes.plot(range(first_step, first_step + len(losses)), losses, marker=".")
+    axes.set(xlabel="step", ylabel="loss", title=title)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.grid(alpha=0.3)
+    figure.savefig(path, dpi=100)
+    print(f"loss curve: {os.path.abspath(path)}", flush=True)
+
+
+def write_results(engine, losses, path: str, counters: dict, first_step: int = 0, measured=None) -> None:
+    """Per-step losses (from ``first_step``), trained weights, XLA graph counters and ``measurements`` as JSON
+    (rank r>0 at ``path.rank<r>``)."""
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
         weights = {name: p.detach().float().cpu().tolist() for name, p in engine.module.named_parameters()}
     rank = engine.global_rank
     with open(path if rank == 0 else f"{path}.rank{rank}", "w") as handle:
-        json.dump({"losses": losses, "world_size": engine.world_size, "rank": rank, "counters": counters,
-                   "accelerator": get_accelerator().device_name(), "params": weights}, handle)
+        json.dump({"losses": losses, "first_step": first_step, "world_size": engine.world_size, "rank": rank,
+                   "counters": counters,
+                   "accelerator": get_accelerator().device_name(), "params": weights, **(measured or {})}, handle)
 
 
 def main():
@@ -142,9 +212,20 @@ def main():
     parser.add_argument("--client-optimizer", action="store_true",
                         help="build torch.optim.AdamW before deepspeed.initialize instead of using the config's")
     parser.add_argument("--losses-out", default=None, help="write per-step losses (rank 0) as JSON here")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="draw rank 0's loss curve into this PNG file")
+    parser.add_argument("--save-dir", default=None, help="checkpoint directory for --save-at")
+    parser.add_argument("--save-at", type=int, nargs="*", default=[], help="save a checkpoint after these steps")
+    parser.add_argument("--load-dir", default=None, help="resume from the latest checkpoint in this directory")
+    parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS,
+                        help="steps before the XLA counters (and deepspeed_xla.bench's timings) start")
+    parser.add_argument("--timings", action="store_true",
+                        help="keep the losses on the device until training ends and wait for the device at the end "
+                             "of every step: step times without per-step device->host transfers")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
+    if args.save_at and not args.save_dir:
+        parser.error("--save-at needs --save-dir (where to write the checkpoints)")
 
     deepspeed.init_distributed()
     torch.manual_seed(args.seed)
@@ -160,35 +241,50 @@ def main():
     data_rank = engine.grid.get_data_parallel_rank() if pipelined else rank
     micro = engine.train_micro_batch_size_per_gpu()
     accum = engine.gradient_accumulation_steps()
+    first_step = resume(engine, args.load_dir) if args.load_dir else 0
 
     def batches(step):
         for micro_step in range(accum):
             tokens, targets = make_batch(step * accum + micro_step, data_rank, micro, args.seq, args.vocab)
             yield tokens.to(engine.device), targets.to(engine.device)
 
-    losses, start, counters = [], time.time(), {}
-    for step in range(args.steps):
-        if step == WARMUP_STEPS:
+    read = (lambda loss: loss.detach()) if args.timings else (lambda loss: loss.item())
+    step_losses, step_times, start, counters = [], [], time.time(), {}
+    for step in range(first_step, args.steps):
+        if step - first_step == args.warmup_steps:
             counters["warm"] = graph_counters()
+        step_start = time.perf_counter()
         if pipelined:
-            step_loss = engine.train_batch(data_iter=batches(step)).item()
+            micro_losses = [read(engine.train_batch(data_iter=batches(step)))]  # already the batch's mean
         else:
-            step_loss = 0.0
+            micro_losses = []
             for tokens, targets in batches(step):
                 loss = engine(tokens, targets)
                 engine.backward(loss)
                 engine.step()
-                step_loss += loss.item() / accum
-        losses.append(step_loss)
-        if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            tokens_per_s = (step + 1) * accum * micro * args.seq * engine.dp_world_size / (time.time() - start)
+                micro_losses.append(read(loss))
+        if args.timings:
+            wait_for_device()
+        step_times.append(time.perf_counter() - step_start)
+        step_losses.append(micro_losses)
+        if rank == 0 and not args.timings and (step % 5 == 0 or step == args.steps - 1):
+            step_loss = mean_loss(micro_losses)
+            done = step + 1 - first_step
+            tokens_per_s = done * accum * micro * args.seq * engine.dp_world_size / (time.time() - start)
             print(f"step {step:4d}  loss {step_loss:.4f}  tokens/s {tokens_per_s:,.0f}  "
                   f"device {get_accelerator().current_device_name()}", flush=True)
+        if step + 1 in args.save_at:
+            engine.save_checkpoint(args.save_dir, client_state={"step": step + 1})
 
-    if args.steps > WARMUP_STEPS:
+    if args.steps - first_step > args.warmup_steps:
         counters["end"] = graph_counters()
+    measured = measurements(engine, step_times) if args.losses_out else None  # before the losses are read
+    losses = [mean_loss(micro) for micro in step_losses]
     if args.losses_out:
-        write_results(engine, losses, args.losses_out, counters)
+        write_results(engine, losses, args.losses_out, counters, first_step, measured)
+    if args.plot and rank == 0:
+        plot_losses(losses, first_step, f"TinyGPT, {engine.world_size} x {get_accelerator().device_name()}, "
+                    f"{os.path.basename(args.deepspeed_config or 'config')}", args.plot)
     assert all(math.isfinite(x) for x in losses), f"non-finite loss: {losses}"
 
 

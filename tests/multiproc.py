@@ -20,17 +20,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_ranks(target: str, world_size: int, env: Optional[dict] = None,
-              timeout: float = 240) -> List[subprocess.CompletedProcess]:
-    """Call ``target`` ("module:function", importable from the repo root) once per rank.
+def start_ranks(target: str, world_size: int, env: Optional[dict] = None) -> Tuple[list, list]:
+    """Start ``target`` ("module:function", importable from the repo root) once per rank, env:// rendezvous.
 
-    Output goes to files, not pipes: a rank blocked on a full pipe would stall its peers. On timeout
-    every rank is killed and its stderr says so, so a hang fails the test instead of blocking it.
+    Returns the processes and their (stdout, stderr) files: files, not pipes, since a rank blocked on a
+    full pipe would stall its peers.
     """
     module, function = target.split(":")
     code = f"import importlib; importlib.import_module({module!r}).{function}()"
     port = free_port()
-    deadline = time.monotonic() + timeout
     procs, logs = [], []
     for rank in range(world_size):
         rank_env = clean_env(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size,
@@ -39,6 +37,17 @@ def run_ranks(target: str, world_size: int, env: Optional[dict] = None,
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         logs.append((out, err))
         procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=rank_env, stdout=out, stderr=err))
+    return procs, logs
+
+
+def run_ranks(target: str, world_size: int, env: Optional[dict] = None,
+              timeout: float = 240) -> List[subprocess.CompletedProcess]:
+    """Call ``target`` once per rank (see ``start_ranks``) and wait for all of them.
+
+    On timeout every rank is killed and its stderr says so, so a hang fails the test instead of blocking it.
+    """
+    deadline = time.monotonic() + timeout
+    procs, logs = start_ranks(target, world_size, env)
     results = []
     for rank, (proc, (out, err)) in enumerate(zip(procs, logs)):
         try:
@@ -74,12 +83,9 @@ def ds_config(stage: int, bf16: bool = False, micro_batch: int = 4, accumulation
     return config
 
 
-def run_training(workdir: Path, accelerator: Optional[str], config: dict, num_procs: int = 1, steps: int = 20,
-                 extra_env: Optional[dict] = None, timeout: float = 600, train_args=()) -> dict:
-    """``DS_ACCELERATOR=<accelerator> deepspeed --num_gpus N scripts/train.py``; returns rank 0's JSON.
-
-    ``accelerator=None`` leaves DS_ACCELERATOR unset. Files go to ``<workdir>/<accelerator>-*.json``.
-    """
+def training_command(workdir: Path, accelerator: Optional[str], config: dict, num_procs: int = 1, steps: int = 20,
+                     extra_env: Optional[dict] = None, train_args=()) -> Tuple[List[str], dict, Path]:
+    """The ``deepspeed`` command line of ``run_training``, its environment, and where rank 0's JSON goes."""
     workdir.mkdir(parents=True, exist_ok=True)
     label = accelerator or "default"
     config_path = workdir / f"{label}-config.json"
@@ -91,7 +97,27 @@ def run_training(workdir: Path, accelerator: Optional[str], config: dict, num_pr
     cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(num_procs), "--master_port", str(free_port()),
            str(TRAIN), "--deepspeed_config", str(config_path), "--steps", str(steps), "--losses-out", str(out),
            *train_args]
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    return cmd, env, out
+
+
+def remove_cpu_comm_buffers(master_port: str) -> None:
+    """DeepSpeed's CPU accelerator leaves a 69 MB shared-memory all-reduce buffer per rank in /dev/shm
+    (named after the master port) when its processes exit; a test run would pile up gigabytes of RAM."""
+    for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{master_port}_*"):
+        buffer.unlink(missing_ok=True)
+
+
+def run_training(workdir: Path, accelerator: Optional[str], config: dict, num_procs: int = 1, steps: int = 20,
+                 extra_env: Optional[dict] = None, timeout: float = 600, train_args=()) -> dict:
+    """``DS_ACCELERATOR=<accelerator> deepspeed --num_gpus N scripts/train.py``; returns rank 0's JSON.
+
+    ``accelerator=None`` leaves DS_ACCELERATOR unset. Files go to ``<workdir>/<accelerator>-*.json``.
+    """
+    cmd, env, out = training_command(workdir, accelerator, config, num_procs, steps, extra_env, train_args)
+    try:
+        proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        remove_cpu_comm_buffers(cmd[cmd.index("--master_port") + 1])
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
 

@@ -57,7 +57,7 @@ def test_more_processes_than_devices():
     code = "import deepspeed\nfrom deepspeed.accelerator import get_accelerator\nget_accelerator().set_device(0)\n"
     proc = _run(code, DS_ACCELERATOR="xla", LOCAL_RANK=0, LOCAL_SIZE=3, CPU_NUM_DEVICES=2)
     error = _last_error(proc)
-    assert "3 processes were started on this host but it has 2 CPU device(s)" in error
+    assert "3 processes were requested on this host but it has 2 CPU device(s)" in error
     assert "deepspeed --num_gpus 2" in error and "CPU_NUM_DEVICES" in error
 
 

@@ -1,5 +1,6 @@
 """Every run-time patch of DeepSpeed still matches the upstream code it was written for."""
 import importlib
+import inspect
 from importlib import metadata
 
 import pytest
@@ -46,3 +47,33 @@ def test_has_inf_or_nan_reduces_on_xla():
     with_nan[3, 0] = float("nan")
     assert [bool(has_inf_or_nan(t).cpu()) for t in (finite, with_inf, with_nan)] == [False, True, True]
     assert has_inf_or_nan(with_inf).shape == torch.Size([])
+
+
+@pytest.mark.parametrize("max_norm", [100.0, 0.5], ids=["unclipped", "clipped"])
+def test_clip_by_global_norm_stays_on_device_and_matches_upstream(max_norm):
+    import torch_xla
+    from deepspeed.runtime import bf16_optimizer, utils
+    from deepspeed_xla.xla_runtime import graph_counters
+    upstream = inspect.unwrap(utils.clip_tensors_by_global_norm)
+    grads = [torch.randn(5, 3), torch.randn(7)]
+    norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+    expected = [g.clone() for g in grads]
+    upstream(expected, max_norm=max_norm, global_norm=norm)
+    device = torch_xla.device()
+    on_xla = [g.to(device) for g in grads]
+    torch_xla.sync()
+    before = graph_counters()
+    bf16_optimizer.clip_tensors_by_global_norm(on_xla, max_norm=max_norm, global_norm=norm.to(device))
+    assert graph_counters() == before, "clipping read a device value on the host"
+    for got, want in zip(on_xla, expected):
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-6)
+
+
+def test_capped_bucket_sizes_stay_even():
+    """ZeRO-1/2 assert an even all-gather bucket: a model with an odd parameter count (9) gets 10, not 9."""
+    from types import SimpleNamespace
+    zero = SimpleNamespace(reduce_bucket_size=500_000_000, allgather_bucket_size=500_000_000,
+                           prefetch_bucket_size=50_000_000)
+    engine = SimpleNamespace(module=torch.nn.Linear(8, 1), _config=SimpleNamespace(zero_config=zero))
+    patches._engine_configure_zero_optimizer(lambda self, optimizer: None)(engine, None)
+    assert zero.reduce_bucket_size == zero.allgather_bucket_size == zero.prefetch_bucket_size == 10

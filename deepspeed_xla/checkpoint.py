@@ -1,0 +1,114 @@
+"""Checkpoints written from XLA: CPU tensors only, and ``latest`` names only complete checkpoints.
+
+DeepSpeed hands its checkpoint engine state dicts that hold XLA tensors. ``torch.save`` pickles those
+as "CPU data, rebuild on xla:0", so the files need torch_xla to load (and fail with DeepSpeed's own
+callable ``map_location``); here every XLA tensor is copied to the host first, all with one execution.
+
+DeepSpeed's rank 0 writes ``latest`` right after its own files, while other ranks may still be writing
+theirs, and rewrites it in place: a rank killed during a save can leave ``latest`` naming an
+incomplete checkpoint, or empty. Here ``latest`` is replaced atomically once every rank's files are
+written and flushed.
+"""
+import copy
+import os
+from typing import Any, Dict
+
+import torch
+
+from deepspeed_xla import xla_runtime
+
+LATEST = "latest"
+
+
+def _map_tensors(obj: Any, convert) -> Any:
+    """``obj`` with ``convert`` applied to every tensor in its dicts, lists and tuples.
+
+    Containers without a converted tensor are returned as they are (``torch.Size`` stays a ``torch.Size``).
+    """
+    if torch.is_tensor(obj):
+        return convert(obj)
+    if isinstance(obj, dict):
+        items = {key: _map_tensors(value, convert) for key, value in obj.items()}
+        if all(items[key] is value for key, value in obj.items()):
+            return obj
+        out = copy.copy(obj)  # keeps the mapping type (OrderedDict, ...)
+        out.update(items)
+        return out
+    if isinstance(obj, (list, tuple)):
+        items = [_map_tensors(value, convert) for value in obj]
+        if all(new is old for new, old in zip(items, obj)):
+            return obj
+        if isinstance(obj, list):
+            return items
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def _host_copy(tensor: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(host, requires_grad=tensor.requires_grad)
+    return host.requires_grad_(tensor.requires_grad) if host.is_floating_point() else host
+
+
+def to_cpu(state: Any) -> Any:
+    """``state`` with CPU copies of its XLA tensors (one device execution for all of them).
+
+    A tensor that appears more than once stays one object, as ``torch.save`` would keep it.
+    """
+    on_device: Dict[int, torch.Tensor] = {}
+
+    def collect(tensor):
+        if tensor.device.type == "xla":
+            on_device[id(tensor)] = tensor
+        return tensor
+
+    _map_tensors(state, collect)
+    if not on_device:
+        return state
+    tensors = list(on_device.values())
+    hosts = {id(t): _host_copy(t, h) for t, h in zip(tensors, xla_runtime.to_host(tensors))}
+    return _map_tensors(state, lambda t: hosts.get(id(t), t))
+
+
+def _fsync(path: str) -> None:
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else os.O_RDONLY
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CpuCheckpointEngine:
+    """DeepSpeed's checkpoint engine, handed CPU state dicts; written files are flushed to disk.
+
+    Everything but ``save`` goes to the wrapped engine. Storage sharing is not preserved (the host
+    copies are separate tensors), so DeepSpeed skips its own per-tensor clone before saving.
+    """
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def save(self, state_dict, path: str):
+        result = self._engine.save(to_cpu(state_dict), path)
+        if not self._engine.is_decoupled() and os.path.isfile(path):
+            _fsync(path)
+        return result
+
+    def preserves_storage_sharing(self) -> bool:
+        return False
+
+
+def write_latest(save_dir: str, tag: str) -> None:
+    """Point ``save_dir/latest`` at ``tag`` atomically: readers see the old tag or the new one, never a part."""
+    path = os.path.join(save_dir, LATEST)
+    staging = f"{path}.tmp.{os.getpid()}"
+    with open(staging, "w") as handle:
+        handle.write(tag)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(staging, path)
+    _fsync(save_dir)

@@ -1,0 +1,241 @@
+"""Failed-rank watchdog: when a rank dies or goes silent, every other rank exits within the comm
+timeout and says which rank failed, instead of waiting in a collective forever.
+
+A rank blocked in a collective returns only when its peers take part: gloo (PJRT CPU) gives up after
+the process group's timeout without saying why, XLA collectives (TPU) never give up, and a launcher
+stops only the ranks of its own host. So each rank runs a thread that, every ``interval``:
+- beats: increments its counter in the rendezvous store;
+- watches the next rank in ring order that has not finished (so every live rank has one watcher):
+  a counter that has not moved for the timeout, or a process gone from this host, is a failed rank;
+- stops the job once a failure is known: the first failure is published under one store key (a rank
+  that raises publishes its own exception), and every rank that reads it prints it and exits with 1.
+A rank that exits normally marks itself done; rank 0, whose process hosts the store, exits last.
+
+The timeout is the process group's (DeepSpeed: ``init_distributed(timeout=...)``, default 10 min,
+``DEEPSPEED_TIMEOUT`` in minutes); ``DS_XLA_COMM_TIMEOUT`` (seconds) overrides it.
+"""
+import atexit
+import functools
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, NoReturn, Optional
+
+import torch.distributed as dist
+
+TIMEOUT_ENV = "DS_XLA_COMM_TIMEOUT"
+EXIT_CODE = 1
+_PREFIX = "deepspeed_xla/watchdog/"
+_FAILED = "failed"
+
+_watchdog: Optional["Watchdog"] = None
+
+
+def comm_timeout(default: timedelta) -> timedelta:
+    """The collective timeout: ``DS_XLA_COMM_TIMEOUT`` seconds if set, else the process group's."""
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if seconds <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r}: set it to a number of seconds greater than 0 (e.g. 600), "
+                         "or unset it to use DeepSpeed's timeout.")
+    return timedelta(seconds=seconds)
+
+
+def _process_started(pid: int) -> float:
+    import psutil
+    return psutil.Process(pid).create_time()
+
+
+def _local_process_gone(pid: int, started: float) -> bool:
+    """Whether ``pid`` (started at ``started``) has exited, including a zombie its parent did not reap yet."""
+    import psutil
+    try:
+        process = psutil.Process(pid)
+        return process.create_time() != started or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+class Watchdog:
+    """The heartbeat thread of one rank (see the module docstring)."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta):
+        self.rank, self.size = rank, size
+        self.timeout = timeout.total_seconds()
+        self.interval = min(max(self.timeout / 10, 0.05), 5.0)
+        self._store = dist.PrefixStore(_PREFIX, store.clone())  # own connection: never queued behind the job's
+        self._server = store  # rank 0: keeps the store's server up after destroy_process_group()
+        self._stopping = threading.Event()
+        self._watched, self._count, self._since = None, None, 0.0
+        self._processes = {}  # rank -> (host, pid, start time), as each rank registered itself
+        self._raised = False  # this rank is ending with an uncaught exception (its traceback says why)
+        self._store.set(f"proc/{rank}", f"{socket.gethostname()} {os.getpid()} {_process_started(os.getpid())}")
+        self._thread = threading.Thread(target=self._run, name="deepspeed_xla-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._store.add(f"beat/{self.rank}", 1)
+        self._thread.start()
+
+    # -- the thread
+    def _run(self) -> None:
+        while not self._stopping.wait(self.interval):
+            try:
+                self._store.add(f"beat/{self.rank}", 1)
+                failure = self.published_failure() or self._check_watched()
+            except (RuntimeError, OSError) as exc:  # the store's process (rank 0) is gone
+                if self._stopping.is_set():
+                    return
+                failure = f"lost the rendezvous store on rank 0 ({exc}): rank 0 died or its host is unreachable"
+            if self._raised:
+                return
+            if failure:
+                self.stop_job(failure)
+
+    def _check_watched(self) -> Optional[str]:
+        target = self._next_running()
+        if target is None:
+            return None
+        now = time.monotonic()
+        if target != self._watched:
+            self._watched, self._count, self._since = target, None, now
+        gone = self._local_peer_gone(target)
+        if gone:
+            return gone
+        count = self._store.add(f"beat/{target}", 0)
+        if count != self._count:
+            self._count, self._since = count, now
+        elif now - self._since > self.timeout:
+            return (f"rank {target} sent no heartbeat for {self.timeout:g} s: it died, hung, or its host is "
+                    f"unreachable ({TIMEOUT_ENV}={self.timeout:g})")
+        return None
+
+    def _next_running(self) -> Optional[int]:
+        """The next rank after this one, in ring order, that has not finished."""
+        for offset in range(1, self.size):
+            rank = (self.rank + offset) % self.size
+            if not self._store.check([f"done/{rank}"]):
+                return rank
+        return None
+
+    def _process(self, rank: int):
+        if rank not in self._processes and self._store.check([f"proc/{rank}"]):
+            host, pid, started = self._store.get(f"proc/{rank}").decode().split()
+            self._processes[rank] = (host, int(pid), float(started))
+        return self._processes.get(rank)
+
+    def _local_peer_gone(self, rank: int) -> Optional[str]:
+        process = self._process(rank)
+        if process is None:
+            return None
+        host, pid, started = process
+        if host != socket.gethostname() or not _local_process_gone(pid, started):
+            return None
+        if self._store.check([f"done/{rank}"]):
+            return None
+        return f"rank {rank} (pid {pid}) exited unexpectedly: killed, out of memory, or crashed"
+
+    # -- shared with the job's threads
+    def published_failure(self) -> Optional[str]:
+        if self._store.check([_FAILED]):
+            return self._store.get(_FAILED).decode()
+        return None
+
+    def publish(self, failure: str) -> str:
+        """Record ``failure`` unless another is recorded already; returns the recorded one."""
+        return self._store.compare_set(_FAILED, "", failure).decode()
+
+    def publish_exception(self, kind: type, value: BaseException) -> None:
+        """An uncaught exception ends this rank: it is the job's failure, unless another came first
+        (then that one is printed, unless it is the same error raised on another rank)."""
+        self._raised = True
+        mine = f"rank {self.rank} raised {kind.__name__}: {value}"
+        first = self.publish(mine)
+        if first.partition(" raised ")[2] != mine.partition(" raised ")[2]:
+            sys.stderr.write(f"[deepspeed_xla] rank {self.rank} stops: {first}\n")
+
+    def stop_job(self, failure: str) -> NoReturn:
+        """Print the job's first failure and end this process (a collective may hold the main thread)."""
+        try:
+            failure = self.publish(failure)
+        except (RuntimeError, OSError):  # the store is gone: report what this rank saw
+            pass
+        sys.stderr.write(f"[deepspeed_xla] rank {self.rank} stops: {failure}\n")
+        sys.stderr.flush()
+        os._exit(EXIT_CODE)
+
+    def find_failure(self) -> Optional[str]:
+        """A failed rank, looked for until the timeout: local peers at once, the others by heartbeat."""
+        deadline = time.monotonic() + self.timeout + 2 * self.interval
+        while True:
+            failure = self.published_failure()
+            for rank in range(self.size):
+                failure = failure or (self._local_peer_gone(rank) if rank != self.rank else None)
+            if failure or time.monotonic() > deadline:
+                return failure
+            time.sleep(self.interval)
+
+    def finish(self) -> None:
+        """At exit: mark this rank done, unless the job failed; rank 0 keeps the store up until every
+        rank is done (its thread still stops the job if one fails meanwhile)."""
+        try:
+            if self.published_failure() is None:
+                self._store.set(f"done/{self.rank}", "1")
+                while self.rank == 0 and self._next_running() is not None:
+                    time.sleep(0.05)
+        except (RuntimeError, OSError):  # the store is gone: nobody is left to tell
+            pass
+        self._stopping.set()
+        self._thread.join()
+
+
+def start(store, rank: int, size: int, timeout: timedelta) -> None:
+    """Start this process's watchdog (once, with the first process group: the world's)."""
+    global _watchdog
+    if _watchdog is not None or size < 2:
+        return
+    _watchdog = Watchdog(store, rank, size, timeout)
+    _watchdog.start()
+    previous_hook = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        try:
+            _watchdog.publish_exception(kind, value)
+        except (RuntimeError, OSError):  # the store is gone
+            pass
+        previous_hook(kind, value, traceback)
+
+    sys.excepthook = excepthook
+    atexit.register(_watchdog.finish)
+
+
+def watched(create_group: Callable) -> Callable:
+    """A torch.distributed backend creator whose groups use the comm timeout; the first one (the
+    world's) starts this process's watchdog."""
+
+    @functools.wraps(create_group)
+    def create(store, rank: int, size: int, timeout: timedelta):
+        timeout = comm_timeout(timeout)
+        group = create_group(store, rank, size, timeout)
+        start(store, rank, size, timeout)
+        return group
+
+    return create
+
+
+def explain_failure(error: Exception) -> NoReturn:
+    """A collective failed: stop the job naming the failed rank, or re-raise saying none was found."""
+    if _watchdog is None:
+        raise error
+    failure = _watchdog.find_failure()
+    if failure:
+        _watchdog.stop_job(failure)
+    raise RuntimeError(f"a collective failed on rank {_watchdog.rank} and no rank was found dead within "
+                       f"{_watchdog.timeout:g} s ({TIMEOUT_ENV}): a rank may be hung. {error}") from error

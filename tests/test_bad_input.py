@@ -1,0 +1,238 @@
+"""docs/bad_input.md, row by row: each misconfiguration either works or fails with one error that names the fix.
+
+Rows already covered by tests/test_errors.py (unknown PJRT_DEVICE, malformed .deepspeed_env, the worker-side
+checks) are referenced from the table, not repeated. Config rows parse a ``DeepSpeedConfig`` in this process:
+that is where ``deepspeed.initialize`` refuses them, before it touches the device.
+"""
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from deepspeed.runtime.config import DeepSpeedConfig
+
+from deepspeed_xla.devices.tpu import TpuDevice, one_chip_env
+from tests.conftest import REPO, VENV_BIN, clean_env
+from tests.devices.test_tpu import _fake_metadata
+from tests.multiproc import free_port, max_abs_diff
+
+
+def _config(**settings) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, **settings}
+
+
+def _run(cmd, cwd, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=300)
+
+
+def _last_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def _launch_host(tmp_path, hosts=None, **env) -> subprocess.CompletedProcess:
+    """``deepspeed.launcher.launch`` as the runner starts it on every host (here: the first one)."""
+    (tmp_path / "train.py").write_text("print('worker ran')\n")
+    world = base64.urlsafe_b64encode(json.dumps(hosts or {"localhost": [0]}).encode()).decode()
+    return _run([sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--node_rank=0",
+                 "--master_addr=127.0.0.1", f"--master_port={free_port()}", "train.py"], tmp_path, **env)
+
+
+def _assert_no_worker(proc: subprocess.CompletedProcess) -> None:
+    assert "spawned" not in proc.stdout + proc.stderr and "worker ran" not in proc.stdout
+
+
+@pytest.mark.parametrize("setting", [{"fp16": {"enabled": True}},
+                                     {"torch_autocast": {"enabled": True, "dtype": "torch.float16"}}],
+                         ids=["fp16", "autocast-fp16"])
+@pytest.mark.parametrize("device", ["TPU", "CPU"])
+def test_fp16_names_bf16(monkeypatch, device, setting):
+    monkeypatch.setenv("PJRT_DEVICE", device)  # only the device type's dtype support is asked: no runtime starts
+    with pytest.raises(ValueError, match=rf"float16 training on PJRT {device}: .*bfloat16"):
+        DeepSpeedConfig(_config(**setting))
+    DeepSpeedConfig(_config(bf16={"enabled": True}))
+
+
+OFFLOAD_SCRIPT = """
+import json, sys, torch, deepspeed
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+def run(zero, client_cpu_adam=False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero}
+    optimizer = DeepSpeedCPUAdam(model.parameters(), lr=0.01) if client_cpu_adam else None
+    if optimizer is None:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.01}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(engine.device)
+    losses = []
+    try:
+        for _ in range(2):
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    except AssertionError as exc:
+        return {"error": str(exc)}
+    return {"losses": losses, "optimizer": type(engine.basic_optimizer).__name__}
+
+cpu = {"device": "cpu"}
+results = {"reference": run({"stage": 2}),
+           "zero2_offload": run({"stage": 2, "offload_optimizer": cpu}),
+           "zero3_offload": run({"stage": 3, "offload_optimizer": cpu, "offload_param": cpu}),
+           "cpu_adam_on_xla": run({"stage": 0}, client_cpu_adam=True)}
+with open(sys.argv[1], "w") as handle:
+    json.dump(results, handle)
+"""
+
+
+@pytest.fixture(scope="module")
+def offload_runs(tmp_path_factory):
+    """One process, four tiny engines (2 steps each): it loads DeepSpeed's CPU Adam once for both tests."""
+    out = tmp_path_factory.mktemp("offload") / "results.json"
+    proc = _run([sys.executable, "-c", OFFLOAD_SCRIPT, str(out)], out.parent, DS_ACCELERATOR="xla")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def test_offload_to_cpu_trains_like_no_offload(offload_runs):
+    reference = offload_runs["reference"]["losses"]
+    assert reference[-1] < reference[0], "the reference did not train"
+    for run in ("zero2_offload", "zero3_offload"):
+        assert offload_runs[run]["optimizer"] == "DeepSpeedCPUAdam", run
+        assert max_abs_diff(offload_runs[run]["losses"], reference) <= 1e-5, run
+
+
+def test_nvme_offload_names_cpu():
+    nvme = {"device": "nvme", "nvme_path": "/tmp"}
+    with pytest.raises(ValueError, match=r'offload_param to "nvme" needs .*async_io.* set "device": "cpu"'):
+        DeepSpeedConfig(_config(zero_optimization={"stage": 3, "offload_param": nvme}))
+    DeepSpeedConfig(_config(zero_optimization={"stage": 2, "offload_optimizer": nvme}))  # ZeRO-1/2: same as cpu
+
+
+def test_cuda_only_optimizer_names_the_alternatives():
+    lion = {"type": "Lion", "params": {"lr": 0.01}}
+    with pytest.raises(ValueError, match=r'"lion" runs DeepSpeed\'s FusedLionBuilder op .* no XLA implementation: '
+                                         r'use "AdamW".*"offload_optimizer": \{"device": "cpu"\}'):
+        DeepSpeedConfig(_config(optimizer=lion))
+    DeepSpeedConfig(_config(optimizer=lion, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}))
+
+
+def test_cpu_only_optimizer_on_xla_params_names_offload(offload_runs):
+    assert "CPUAdam param is on xla:0 and must be 'cpu'" in offload_runs["cpu_adam_on_xla"]["error"]
+    assert "'offload_optimizer': 'cpu'" in offload_runs["cpu_adam_on_xla"]["error"]
+
+
+def _assert_too_many_processes(proc: subprocess.CompletedProcess) -> None:
+    error = _last_error(proc)
+    assert "3 processes were requested on this host but it has 2 CPU device(s)" in error
+    assert "deepspeed --num_gpus 2 or fewer (in a hostfile: slots=2 or fewer" in error and "CPU_NUM_DEVICES" in error
+    _assert_no_worker(proc)
+
+
+def test_num_gpus_above_device_count_stops_the_launcher(tmp_path):
+    (tmp_path / "train.py").write_text("print('worker ran')\n")
+    _assert_too_many_processes(_run([str(VENV_BIN / "deepspeed"), "--num_gpus", "3", "--master_port", str(free_port()),
+                                     "train.py"], tmp_path, DS_ACCELERATOR="xla", CPU_NUM_DEVICES=2, HOME=tmp_path))
+
+
+def test_hostfile_slots_above_device_count_stop_that_hosts_launcher(tmp_path):
+    """A hostfile with ``slots=3`` per host: the runner sends each host's launcher its 3 ids (pdsh, or --no_ssh)."""
+    hosts = {"worker-0": [0, 1, 2], "worker-1": [0, 1, 2]}
+    _assert_too_many_processes(_launch_host(tmp_path, hosts, DS_ACCELERATOR="xla", CPU_NUM_DEVICES=2))
+
+
+def test_tpu_host_runs_one_process_per_chip():
+    tpu = TpuDevice()
+    assert tpu.process_count_problem(4, 4) is None and tpu.process_count_problem(1, 4) is None
+    error = tpu.process_count_problem(2, 4)
+    assert "2 processes were requested on this host but it has 4 TPU chips" in error
+    assert "deepspeed --num_gpus 4 (in a hostfile: slots=4 for every host)" in error
+
+
+def test_single_tpu_process_takes_one_chip_like_torch_xla(monkeypatch):
+    from torch_xla._internal import tpu
+    keys = ("TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS")
+    _fake_metadata(monkeypatch, "v6e-8")
+    tpu.configure_one_chip_topology()  # what xmp.spawn(nprocs=1) sets
+    expected = {key: os.environ[key] for key in keys}
+    _fake_metadata(monkeypatch, "v6e-8")
+    env = dict(os.environ)
+    TpuDevice().configure_process(0, 1, 0, env)
+    assert {key: env[key] for key in keys} == expected
+    with pytest.raises(RuntimeError, match="multi-host slice runs one process per chip on every host"):
+        one_chip_env(0, tpu_version=4, hosts=4)
+
+
+def test_missing_torch_xla_stops_the_launcher(tmp_path):
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import sys\nfrom importlib import metadata\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'torch_xla':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "_discover = metadata.Distribution.discover\n"
+        "metadata.Distribution.discover = classmethod(lambda cls, **kw: iter(()) "
+        "if kw.get('name', '').replace('-', '_') == 'torch_xla' else _discover(**kw))\n")
+    proc = _launch_host(tmp_path, DS_ACCELERATOR="xla", PYTHONPATH=shim)
+    error = _last_error(proc)
+    assert "DS_ACCELERATOR=xla needs torch_xla installed: pip install torch==2.9.0 torch_xla==2.9.0" in error
+    _assert_no_worker(proc)
+
+
+def test_mismatched_torch_xla_stops_the_launcher(tmp_path):
+    fake = tmp_path / "fake" / "torch_xla-2.8.0.dist-info"
+    fake.mkdir(parents=True)
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_xla\nVersion: 2.8.0\n")
+    proc = _launch_host(tmp_path, DS_ACCELERATOR="xla", PYTHONPATH=fake.parent)
+    assert "and torch_xla 2.8.0 are not a matching pair" in _last_error(proc)
+    assert "pip install torch==2.8.0 or torch_xla==2.9.0" in _last_error(proc)
+    _assert_no_worker(proc)
+
+
+def test_train_batch_size_mismatch_names_the_product(monkeypatch):
+    monkeypatch.setenv("LOCAL_SIZE", "1")  # as under a launcher
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    config = _config(train_batch_size=7, gradient_accumulation_steps=1)
+    world = DeepSpeedConfig(_config()).world_size
+    with pytest.raises(ValueError, match=rf"^train_batch_size 7 is not train_micro_batch_size_per_gpu 2 x "
+                                         rf"gradient_accumulation_steps 1 x {world} data-parallel process\(es\): "
+                                         rf"set train_batch_size to {2 * world} \(or leave it out"):
+        DeepSpeedConfig(config)
+
+
+PLAIN_PYTHON = ("import torch, deepspeed\n"
+                "deepspeed.initialize(model=torch.nn.Linear(2, 2), config={'train_batch_size': 8, "
+                "'train_micro_batch_size_per_gpu': 4, 'gradient_accumulation_steps': 1, "
+                "'optimizer': {'type': 'AdamW', 'params': {'lr': 0.1}}})\n")
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, "x 1 data-parallel process(es): set train_batch_size to 4 (or leave it out and DeepSpeed derives it), or "
+         "run 2 data-parallel processes (e.g. deepspeed --num_gpus 2). This process was started with plain python"),
+    ({"WORLD_SIZE": 2}, "This process has WORLD_SIZE=2 but no RANK, MASTER_ADDR, MASTER_PORT, LOCAL_RANK: it was "
+                        "started without a launcher. Start the script with the deepspeed launcher"),
+], ids=["config-for-2-processes", "WORLD_SIZE-exported"])
+def test_plain_python_with_world_size_above_one(tmp_path, env, expected):
+    proc = _run([sys.executable, "-c", PLAIN_PYTHON], tmp_path, DS_ACCELERATOR="xla", **env)
+    assert expected in _last_error(proc)
+
+
+def test_every_row_of_the_table_names_a_test_that_exists():
+    rows = [line for line in (REPO / "docs" / "bad_input.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| misconfiguration")]
+    assert len(rows) >= 12
+    for row in rows:
+        named = re.findall(r"`(?:([\w/]+\.py)::)?(test_\w+)`", row.rstrip(" |").rsplit("|", 1)[1])
+        assert named, f"no test in: {row[:80]}"
+        for file, name in named:
+            source = (REPO / "tests" / file if file else Path(__file__)).read_text()
+            assert f"def {name}(" in source, f"{file or Path(__file__).name} has no {name}"

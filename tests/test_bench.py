@@ -1,0 +1,127 @@
+"""``python -m deepspeed_xla.bench``: its pure pieces, and one tiny end-to-end run of the floor system.
+
+The floor's counts are facts of a hand-written torch_xla loop (one graph per step, nothing read back), so they
+are asserted; times and ratios are not (they live in docs/performance.md).
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from deepspeed_xla import bench
+from tests.conftest import REPO, clean_env
+
+TINY = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4", "--vocab", "64"]
+
+
+@pytest.fixture(scope="module")
+def train_module():
+    return bench._load_train_module(str(REPO / "scripts" / "train.py"))
+
+
+@pytest.mark.parametrize("dim, layers, vocab", [(32, 2, 64), (48, 3, 100)])
+def test_matmul_params_are_the_models_minus_its_embeddings(train_module, dim, layers, vocab):
+    model = train_module.TinyGPT(vocab, dim, layers, seq=16)
+    counted = sum(p.numel() for name, p in model.named_parameters() if name not in ("tok.weight", "pos"))
+    assert bench.matmul_params(dim, layers, vocab) == counted
+
+
+def test_flops_per_token_by_hand():
+    # d=32, L=2, V=64, T=16. A block: qkv 32*96+96, proj 32*32+32, MLP 32*128+128 + 128*32+32, 2 LayerNorms 4*32
+    # = 12704; the final LayerNorm 64 and the head 32*64+64 = 2176; N = 2*12704 + 2176 = 27584.
+    # 6 N = 165504, attention 12*L*T*d = 12*2*16*32 = 12288.
+    assert bench.flops_per_token(dim=32, layers=2, vocab=64, seq=16) == 165504 + 12288
+
+
+def test_system_names():
+    assert bench.parse_system("xla-zero3-2p") == bench.System("xla-zero3-2p", "xla", 3, 2)
+    assert bench.parse_system("floor") == bench.System("floor", "floor")
+    with pytest.raises(Exception, match="floor or <xla|cpu>-zero<0-3>-<N>p"):
+        bench.parse_system("xla-zero4-1p")
+
+
+def _rank(times, warm, end, device_bytes, rss):
+    keys = ("compilations", "executions", "transfers_to_host")
+    return {"step_times": times, "counters": {"warm": dict(zip(keys, warm)), "end": dict(zip(keys, end))},
+            "device_bytes": device_bytes, "state_bytes": device_bytes // 2, "peak_rss_bytes": rss,
+            "losses": [4.0, 3.0]}
+
+
+def test_summary_takes_the_slowest_rank_of_each_step_and_the_worst_counts():
+    args = bench.parse_args(["--steps", "5", "--warmup", "2", "--seq", "10", "--batch", "3"])
+    ranks = [_rank([9, 9, 1.0, 4.0, 2.0], (5, 5, 0), (5, 8, 0), 100, 7),
+             _rank([9, 9, 3.0, 1.0, 1.0], (5, 5, 0), (6, 11, 3), 120, 5)]
+    row = bench.summarize(bench.System("xla-zero1-2p", "xla", 1, 2), ranks, args, peak_flops=None)
+    assert row["median_step_s"] == 3.0  # slowest ranks: 3, 4, 2
+    assert row["tokens_per_s"] == 2 * 3 * 10 / 3.0
+    assert (row["compilations_after_warmup"], row["executions_per_step"], row["transfers_per_step"]) == (1, 2, 1)
+    assert (row["device_bytes_per_rank"], row["state_bytes_per_rank"], row["peak_rss_bytes"]) == (120, 60, 7)
+    assert row["mfu"] is None
+    eager_rank = dict(ranks[0], counters={"warm": {}, "end": {}})  # what train.py writes off XLA
+    eager = bench.summarize(bench.System("cpu-zero0-1p", "cpu"), [eager_rank], args, 1e12)
+    assert eager["executions_per_step"] is None and eager["mfu"] is None
+
+
+def test_table_marks_missing_figures_and_failures():
+    rows = [{"system": "floor", "median_step_s": 0.01, "tokens_per_s": 1000.0, "compilations_after_warmup": 0,
+             "executions_per_step": 1.0, "transfers_per_step": 0.0, "peak_rss_bytes": 2 ** 30,
+             "state_bytes_per_rank": 2 ** 19, "device_bytes_per_rank": 2 ** 20, "ratio_to_floor": 1.0, "mfu": None},
+            {"system": "cpu-zero0-1p", "median_step_s": 0.02, "tokens_per_s": 500.0, "peak_rss_bytes": 2 ** 29,
+             "state_bytes_per_rank": 2 ** 19, "ratio_to_floor": 2.0, "load_average": 3.5},
+            {"system": "xla-zero3-2p", "error": "exit code 1"}]
+    lines = bench.format_table(rows).splitlines()
+    assert len({len(line.rstrip()) for line in lines[:2]}) == 1 and "MFU" not in lines[0]
+    assert lines[2].split() == ["floor", "10.0", "1,000", "0", "1.00", "0.00", "1024", "0.50", "1.00", "1.00", "-"]
+    assert lines[3].split() == ["cpu-zero0-1p", "20.0", "500", "-", "-", "-", "512", "0.50", "-", "2.00", "3.5"]
+    assert lines[4].split() == ["xla-zero3-2p", "failed"] + ["-"] * 9
+    assert "MFU" in bench.format_table([dict(rows[0], mfu=0.42)]).splitlines()[0]
+
+
+def test_targets():
+    row = {"system": "xla-zero3-1p", "accelerator": "xla", "zero_stage": 3, "processes": 1, "ratio_to_floor": 1.2,
+           "compilations_after_warmup": 0, "executions_per_step": 3.0, "transfers_per_step": 0.0}
+    report = {"systems": [row, dict(row, system="xla-zero2-1p", zero_stage=2)],
+              "bandwidth": {"bytes": 64 << 20, "backend": "xla_host", "ratio": 0.7},
+              "zero3_partition": {"ratio": 0.5}}
+    verdicts = {t["what"]: t["met"] for t in bench.check_targets(report)}
+    assert verdicts == {
+        "xla-zero3-1p step time / floor": True, "xla-zero3-1p compilations after warm-up": True,
+        "xla-zero3-1p device->host transfers per step": True,  # ZeRO-3 has no one-execution target
+        "xla-zero2-1p step time / floor": False, "xla-zero2-1p compilations after warm-up": True,
+        "xla-zero2-1p executions per step": False, "xla-zero2-1p device->host transfers per step": True,
+        "all-reduce 64 MB, xla_host / gloo bandwidth": False,
+        "ZeRO-3 parameter + optimizer bytes per rank, 2 processes / 1": True}
+
+
+def test_bad_arguments_name_the_fix():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--steps", "3", "--warmup", "3"])
+    with pytest.raises(SystemExit, match="--train-script"):
+        bench.find_train_script(str(REPO / "no-such-train.py"))
+
+
+def test_floor_end_to_end(tmp_path):
+    """The CLI as a user runs it (floor only, 6 steps): one table, JSON, PNG, and the floor's exact counts."""
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = subprocess.run([sys.executable, "-m", "deepspeed_xla.bench", "--systems", "floor", "--steps", "6",
+                           "--warmup", "3", *TINY, "--skip-bandwidth", "--out", str(out), "--png", str(png),
+                           "--workdir", str(tmp_path / "work")],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert set(report) == {"command", "model", "steps", "warmup", "device", "cpus", "systems", "bandwidth",
+                           "zero3_partition", "workdir", "load_average", "targets"}
+    (floor,) = report["systems"]
+    assert floor["compilations_after_warmup"] == 0
+    assert floor["executions_per_step"] == 1.0
+    assert floor["transfers_per_step"] == 0.0
+    params = sum(p.numel() for p in bench._load_train_module(str(REPO / "scripts" / "train.py")).TinyGPT(
+        64, 32, 2, seq=16).parameters())
+    # the parameters and AdamW's two moments, in float32 (and AdamW's step counts, on the host); on the device
+    # besides them only the six losses and the last batch
+    assert 12 * params <= floor["state_bytes_per_rank"] <= 12 * params + 4 * 64
+    assert 12 * params <= floor["device_bytes_per_rank"] <= 12 * params + 4096
+    assert floor["ratio_to_floor"] == 1.0 and floor["median_step_s"] > 0
+    assert "floor" in proc.stdout and "met     floor executions per step" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,180 @@
+"""Checkpoints on XLA: stop and resume exactly, files that load without torch_xla, ``latest`` that
+survives a rank dying mid-save.
+
+Each resume test is two 2-rank runs through the ``deepspeed`` CLI: 20 steps saving at step 10, then a
+fresh job that loads that checkpoint, trains steps 10-19 and saves at step 20. The second job must
+repeat the first one's losses and weights exactly (fp32: the same XLA graphs on the same values).
+"""
+import json
+import shutil
+import subprocess
+import sys
+from collections import OrderedDict, namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepspeed_xla import checkpoint, xla_runtime
+from tests.conftest import clean_env
+from tests.multiproc import ds_config, run_training, training_command
+
+HERE = Path(__file__).parent
+PIPELINE = ("--pipeline-stages", "2")
+CONFIGS = {
+    "zero1": (ds_config(1), ()),
+    "zero2": (ds_config(2), ()),
+    "zero3": (ds_config(3), ()),
+    "pipe2": (ds_config(0, micro_batch=2, accumulation=4), PIPELINE),
+}
+
+# Run where torch_xla cannot be imported: every tensor in every checkpoint file must load as it was
+# stored (no map_location), so each must be a CPU tensor; then DeepSpeed's zero_to_fp32 conversion.
+LOAD_WITHOUT_XLA = """
+import json, sys
+from pathlib import Path
+import torch
+
+def tensors(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from tensors(value)
+
+folder, zero_tag = Path(sys.argv[1]), sys.argv[2]
+devices = {}
+for path in sorted(folder.rglob("*.pt")):
+    stored = torch.load(path, weights_only=False)
+    torch.load(path, map_location="cpu", weights_only=False)
+    devices[str(path.relative_to(folder))] = sorted({t.device.type for t in tensors(stored)})
+result = {"devices": devices, "torch_xla_loaded": "torch_xla" in sys.modules}
+if zero_tag:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=zero_tag)
+    result["fp32"] = {name: tensor.tolist() for name, tensor in weights.items()}
+print(json.dumps(result))
+"""
+
+
+Pair = namedtuple("Pair", "first second")
+
+
+def test_to_cpu_copies_every_xla_tensor_with_one_execution():
+    import torch_xla
+    device = torch_xla.device()
+    computed = torch.arange(6.0).to(device) * 2  # pending: materialized by to_cpu
+    other = computed + 1  # pending too: one execution for both, not one each
+    param = torch.nn.Parameter(torch.ones(3).to(device))
+    on_host, shape = torch.ones(2), torch.Size([2, 3])
+    state = {"sd": OrderedDict(w=computed, again=computed), "list": [param, 3], "pair": Pair(computed, on_host),
+             "shape": shape, "host": on_host, "other": other}
+    before = xla_runtime.graph_counters()["executions"]
+    saved = checkpoint.to_cpu(state)
+    assert xla_runtime.graph_counters()["executions"] - before == 1
+    assert isinstance(saved["sd"], OrderedDict) and type(saved["pair"]) is Pair
+    assert saved["sd"]["w"] is saved["sd"]["again"] is saved["pair"].first  # one tensor stays one object
+    assert saved["shape"] is shape and saved["host"] is on_host and saved["pair"].second is on_host
+    assert isinstance(saved["list"][0], torch.nn.Parameter) and saved["list"][0].requires_grad
+    assert saved["list"][1] == 3
+    assert saved["sd"]["w"].device.type == "cpu" and saved["list"][0].device.type == "cpu"
+    assert torch.equal(saved["other"], torch.arange(6.0) * 2 + 1)
+    assert torch.equal(saved["sd"]["w"], torch.arange(6.0) * 2)
+    assert torch.equal(saved["list"][0].detach(), torch.ones(3))
+    assert state["sd"]["w"].device.type == "xla"  # the engine's state is left as it was
+
+
+def test_write_latest_replaces_the_tag_atomically(tmp_path):
+    checkpoint.write_latest(str(tmp_path), "global_step1")
+    checkpoint.write_latest(str(tmp_path), "global_step2")
+    assert [p.name for p in tmp_path.iterdir()] == ["latest"]
+    assert (tmp_path / "latest").read_text() == "global_step2"
+
+
+def load_without_torch_xla(folder: Path, zero_tag: str = "") -> dict:
+    env = clean_env(DS_ACCELERATOR="cpu", PYTHONPATH=HERE / "no_torch_xla")
+    proc = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_XLA, str(folder), zero_tag], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def train_and_resume(workdir: Path, name: str) -> dict:
+    """The uninterrupted run (saving at step 10) and the resumed one (saving at step 20)."""
+    config, args = CONFIGS[name]
+    first, last = workdir / "at10", workdir / "at20"
+    full = run_training(workdir / "full", "xla", config, num_procs=2, steps=20,
+                        train_args=(*args, "--save-dir", str(first), "--save-at", "10"))
+    resumed = run_training(workdir / "resumed", "xla", config, num_procs=2, steps=20,
+                           train_args=(*args, "--load-dir", str(first), "--save-dir", str(last), "--save-at", "20"))
+    return {"full": full, "resumed": resumed, "at10": first, "at20": last}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``runs(name)``: ``train_and_resume`` for config ``name``, run once per test session."""
+    done = {}
+
+    def get(name: str) -> dict:
+        if name not in done:
+            done[name] = train_and_resume(tmp_path_factory.mktemp(name), name)
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_resume_repeats_the_uninterrupted_run(runs, name):
+    run = runs(name)
+    full, resumed = run["full"], run["resumed"]
+    assert (run["at10"] / "latest").read_text() == "global_step10"
+    assert resumed["first_step"] == 10
+    assert resumed["losses"] == full["losses"][10:]
+    assert resumed["params"] == full["params"]
+
+    zero = CONFIGS[name][0]["zero_optimization"]["stage"] > 0
+    loaded = load_without_torch_xla(run["at20"], "global_step20" if zero else "")
+    assert not loaded["torch_xla_loaded"]
+    assert loaded["devices"] and all(d in ([], ["cpu"]) for d in loaded["devices"].values()), loaded["devices"]
+    if zero:
+        assert loaded["fp32"] == resumed["params"]
+
+
+def test_universal_checkpoint_resumes_on_one_rank(runs, tmp_path):
+    """DeepSpeed's ``ds_to_universal`` (run without torch_xla) turns the 2-rank ZeRO-2 checkpoint into
+    one that 1 rank loads: its step-10 loss is rank 0's step-10 loss of the 2-rank run (same batch)."""
+    run = runs("zero2")
+    universal = tmp_path / "universal"
+    shutil.copytree(run["at10"], universal)
+    convert = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state",
+               "--input_folder", str(universal / "global_step10"),
+               "--output_folder", str(universal / "global_step10_universal")]
+    proc = subprocess.run(convert, env=clean_env(DS_ACCELERATOR="cpu", PYTHONPATH=HERE / "no_torch_xla"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    config = {**CONFIGS["zero2"][0], "checkpoint": {"load_universal": True}}
+    one = run_training(tmp_path / "one", "xla", config, num_procs=1, steps=11,
+                       train_args=("--load-dir", str(universal)))
+    assert one["first_step"] == 10 and one["world_size"] == 1
+    assert one["losses"] == run["full"]["losses"][10:11]
+
+
+def test_rank_killed_while_saving_leaves_latest_on_the_previous_checkpoint(tmp_path):
+    """Rank 1 dies in its last file of the step-2 checkpoint, after rank 0 wrote all of its own."""
+    save_dir = tmp_path / "checkpoints"
+    env = {"PYTHONPATH": HERE / "fault_injection", "DSX_TEST_DIE_SAVING": "1:global_step2/zero_pp_rank_1"}
+    cmd, env, _ = training_command(tmp_path, "xla", ds_config(2), num_procs=2, steps=3, extra_env=env,
+                                   train_args=("--save-dir", str(save_dir), "--save-at", "1", "2"))
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "DYING while saving" in proc.stdout, output
+    assert proc.returncode != 0, output
+    assert (save_dir / "latest").read_text() == "global_step1", output
+    assert sorted(p.name for p in save_dir.iterdir() if p.is_file()) == ["latest", "zero_to_fp32.py",
+                                                                          "zero_to_torch.py"]
+    complete = load_without_torch_xla(save_dir / "global_step1")
+    assert sorted(complete["devices"]) == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                           "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
