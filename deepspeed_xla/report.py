@@ -167,6 +167,8 @@ def check_device(report: Report, shell: Mapping[str, str]) -> None:
     report.row("device type", device_type.pjrt_name)
     report.row("devices", description)
     report.row("device count", str(count))
+    if device_type.unverified:
+        report.row("hardware status", device_type.unverified, report.warn(device_type.unverified))
     for problem in device_type.setup_problems():
         report.fail(problem)
 

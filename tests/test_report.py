@@ -58,6 +58,7 @@ def test_healthy_cpu_host_with_deepspeed_env(tmp_path, monkeypatch):
     assert _row(out, "DS_ACCELERATOR") == "xla (from .deepspeed_env) [OK]"
     assert _row(out, "FusedAdamBuilder (fused_adam)") == "pure torch, traced into XLA graphs [OK]"
     assert "TransformerBuilder" in _row(out, "no XLA implementation")
+    assert "hardware status" not in out  # PJRT CPU is what CI runs
     assert "[FAIL]" not in out and "\033[" not in out  # a pipe gets no colour
     assert out.rstrip().endswith("Result: this host can run DS_ACCELERATOR=xla deepspeed ...")
 
@@ -74,6 +75,7 @@ def test_faked_tpu_host(tmp_path, monkeypatch):
     assert _row(out, "device type") == "TPU"
     assert _row(out, "device count") == str(TpuDevice().local_device_count()) == "4"
     assert _row(out, "devices") == f"4 x TPU v5e chip; libtpu: {libtpu}"
+    assert _row(out, "hardware status") == f"{TpuDevice.unverified} [WARNING]"
 
 
 def test_unknown_pjrt_device_fails_with_the_fix(tmp_path):

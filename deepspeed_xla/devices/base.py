@@ -31,6 +31,9 @@ class DeviceType(ABC):
         """What this host has of this device type, in a few words for ``ds_xla_report``; never starts the runtime."""
         return f"{self.local_device_count()} {self.pjrt_name} device(s)"
 
+    #: What has not been run on real hardware of this type, or "" when CI runs it all; the report shows it.
+    unverified: str = ""
+
     def setup_problems(self) -> List[str]:
         """Why this host cannot run this device type, each naming the fix (empty when it can); never starts the
         runtime. ``ds_xla_report`` prints them."""

@@ -257,6 +257,8 @@ class CudaDevice(DeviceType):
     pjrt_name = "CUDA"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     has_xla_collectives = True
+    unverified = ("not yet run on a GPU: plugin loading, the coordinator start and the no-GPU error are tested "
+                  "on CPU-only CI; training on GPUs is unverified (run scripts/gpu_smoke.sh; see docs/gpu.md)")
 
     def __init__(self):
         self._library: Optional[str] = None

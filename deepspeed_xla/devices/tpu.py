@@ -22,6 +22,8 @@ class TpuDevice(DeviceType):
     pjrt_name = "TPU"
     visible_devices_env = "TPU_VISIBLE_CHIPS"
     has_xla_collectives = True
+    unverified = ("not yet run on TPU hardware: the per-process topology is tested against torch_xla's own code "
+                  "on faked hosts, training runs on PJRT CPU (docs/pipeline.md, README Status)")
 
     def is_present(self) -> bool:
         return self.local_device_count() > 0
