@@ -108,9 +108,7 @@ def check_host_launch(device_ids: Sequence[int]) -> None:
     """``deepspeed.launcher.launch``'s check of its host before it starts one worker per id (``--num_gpus`` or
     the hostfile's ``slots=``): one error from the launcher instead of the same error from every worker.
     Reads package metadata only: a launcher must not import torch_xla (that could lock the TPU chips)."""
-    problem = (xla_runtime.pair_problem(xla_runtime.installed_version("torch"),
-                                        xla_runtime.installed_version("torch_xla"))
-               or process_count_problem(len(device_ids)))
+    problem = xla_runtime.installed_pair_problem() or process_count_problem(len(device_ids))
     if problem:
         raise RuntimeError(problem)
 

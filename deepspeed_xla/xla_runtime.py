@@ -34,10 +34,15 @@ def pair_problem(torch_version: Optional[str], xla_version: Optional[str]) -> Op
     return None
 
 
+def installed_pair_problem() -> Optional[str]:
+    """``pair_problem`` of the installed torch and torch_xla, from metadata: imports nothing."""
+    return pair_problem(installed_version("torch"), installed_version("torch_xla"))
+
+
 @functools.lru_cache(maxsize=None)
 def torch_xla():
     """Import torch_xla, or fail with one line that names the fix."""
-    problem = pair_problem(installed_version("torch"), installed_version("torch_xla"))
+    problem = installed_pair_problem()
     if problem:
         raise ImportError(problem)
     import torch_xla as module
