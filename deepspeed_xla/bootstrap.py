@@ -30,6 +30,7 @@ _AFTER_IMPORT = {
     "deepspeed.runtime.zero.stage_1_and_2": _PATCHES_HOOK,
     "deepspeed.runtime.zero.stage3": _PATCHES_HOOK,
     "deepspeed.runtime.fp16.loss_scaler": _PATCHES_HOOK,
+    "deepspeed.runtime.fp16.fused_optimizer": _PATCHES_HOOK,
     "deepspeed.launcher.runner": _PATCHES_HOOK,
 }
 

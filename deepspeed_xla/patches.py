@@ -136,6 +136,171 @@ def _clip_tensors_by_global_norm(original):
     return clip_tensors_by_global_norm
 
 
+def _is_invalid_grad_norm(original):
+    """Leave an XLA norm to the device: ``step_guard`` discards the step's update in the graph instead.
+
+    The host test reads the norm every step (a second graph execution and a device->host transfer).
+    ``_engine_configure_optimizer`` guards the optimizer steps of the ZeRO and bf16 wrappers, the
+    only callers of the patched bindings.
+    """
+
+    @functools.wraps(original)
+    def is_invalid_grad_norm(norm):
+        from deepspeed_xla import step_guard
+        return False if step_guard.is_device_checked(norm) else original(norm)
+
+    return is_invalid_grad_norm
+
+
+def _zero_has_overflow(original):
+    """ZeRO-1/2's bf16 overflow test (``check_grad_overflow``): left to the device when the norm covers it.
+
+    Upstream all-reduces a per-rank overflow flag and reads it. The global gradient norm, which
+    ``step_guard`` tests on the device, is inf or NaN whenever any gradient is, so with
+    ``compute_grad_norm`` on (the default) the flag adds only a collective and a host read.
+    """
+
+    @functools.wraps(original)
+    def has_overflow(self, partition_gradients=True):
+        from deepspeed.accelerator import get_accelerator
+        if self.compute_grad_norm and not self.cpu_offload and get_accelerator().device_name() == "xla":
+            return False
+        return original(self, partition_gradients)
+
+    return has_overflow
+
+
+def _fp16_optimizer_overflow_checker(original):
+    """bf16 without ZeRO (``FP16_Optimizer``): leave its per-gradient overflow test to the device.
+
+    Upstream reads one flag per gradient (a graph execution each). The step's gradient norm, which
+    ``step_guard`` tests on the device, is inf or NaN whenever a gradient is. Patched only in the
+    module binding ``FP16_Optimizer`` uses; fp16 itself is rejected on XLA (``config_checks``).
+    """
+
+    class DeviceCheckedOverflow(original):
+
+        def has_overflow(self, params, has_moe_params=None):
+            if params and all(p.grad is None or p.grad.device.type == "xla" for p in params):
+                return False
+            return super().has_overflow(params, has_moe_params)
+
+    DeviceCheckedOverflow.__qualname__ = DeviceCheckedOverflow.__name__ = original.__name__
+    DeviceCheckedOverflow.__wrapped__ = original  # what upstream_digest reads
+    return DeviceCheckedOverflow
+
+
+def _get_flattened_grad_norm(original):
+    """The 2-norm of the gradients as a device tensor; upstream reads each parameter's norm.
+
+    inf and NaN stay as they are where upstream returns its -1 sentinel: both are invalid norms.
+    Index masks (tensor-parallel duplicates) and other norm types take the upstream path.
+    """
+
+    @functools.wraps(original)
+    def get_flattened_grad_norm(parameters, norm_type=2, mpu=None, grad_norm_mask=None):
+        import torch
+        params = [p for p in ([parameters] if torch.is_tensor(parameters) else parameters) if p.grad is not None]
+        masked = grad_norm_mask is not None and any(len(mask) for mask in grad_norm_mask)
+        if not params or masked or float(norm_type) != 2.0 or any(p.grad.device.type != "xla" for p in params):
+            return original(parameters, norm_type, mpu, grad_norm_mask)
+        total = torch.stack([p.grad.detach().float().norm(2) for p in params]).square().sum()
+        if mpu is not None:
+            from deepspeed import comm as dist
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
+        return total.sqrt()
+
+    return get_flattened_grad_norm
+
+
+def _get_global_norm(original):
+    """Combine device norms on the device: upstream tests each on the host and takes ``math.sqrt``."""
+
+    @functools.wraps(original)
+    def get_global_norm(norm_list):
+        from deepspeed_xla import step_guard
+        if not any(step_guard.is_device_checked(norm) for norm in norm_list):
+            return original(norm_list)
+        import torch
+        norms = torch.stack([torch.as_tensor(norm, dtype=torch.float32).to(norm_list[0].device) for norm in norm_list])
+        valid = step_guard.valid_norm(norms)
+        return torch.where(valid, norms.square().sum().sqrt(), torch.tensor(float("inf"), device=norms.device))
+
+    return get_global_norm
+
+
+def _fp16_optimizer_unscale_and_clip_grads(original):
+    """``clip = max(clip, 1)`` on the device instead of testing ``clip > 1`` on the host (same values)."""
+
+    @functools.wraps(original)
+    def unscale_and_clip_grads(self, grad_groups_flat, total_norm, apply_scale=True):
+        import torch
+        if self.clip_grad <= 0. or not torch.is_tensor(total_norm) or total_norm.device.type != "xla":
+            return original(self, grad_groups_flat, total_norm, apply_scale)
+        cur_scale = self.loss_scale_config.cur_scale
+        clip = torch.clamp(((total_norm / cur_scale) + 1e-6) / self.clip_grad, min=1.0)
+        combined_scale = clip * cur_scale
+        if apply_scale:
+            for grad in grad_groups_flat:
+                grad.data.mul_(1. / combined_scale)
+        return combined_scale
+
+    return unscale_and_clip_grads
+
+
+SKIPPED_STEPS = "xla_skipped_steps"
+
+
+def _device_skipped_steps(engine) -> int:
+    counter = getattr(getattr(engine, "optimizer", None), SKIPPED_STEPS, None)
+    return 0 if counter is None else int(counter.item())
+
+
+def _engine_skipped_steps(_upstream_has_none):
+    """``engine.skipped_steps`` counts the steps ``step_guard`` skipped on the device too.
+
+    Upstream keeps an instance counter that ``_take_model_step`` bumps when the optimizer reports an
+    overflow; on XLA the optimizers no longer report one. The device count is read only when
+    something reads the attribute: DeepSpeed's progress log every ``steps_per_print`` steps, a
+    checkpoint save, the user.
+    """
+
+    def get(self) -> int:
+        return self.__dict__.get("_host_skipped_steps", 0) + _device_skipped_steps(self)
+
+    def set(self, value: int) -> None:
+        self.__dict__["_host_skipped_steps"] = value - _device_skipped_steps(self)
+
+    return property(get, set, doc=_engine_skipped_steps.__doc__)
+
+
+def _engine_configure_optimizer(original):
+    """Guard the inner optimizer of every wrapper whose ``is_invalid_grad_norm`` test moved to the device.
+
+    The wrapper's ``xla_skipped_steps``, a device tensor, counts the steps discarded because the
+    gradient norm was invalid; ``engine.skipped_steps`` adds it in.
+    """
+
+    @functools.wraps(original)
+    def configure(self, client_optimizer, model_parameters):
+        original(self, client_optimizer, model_parameters)
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+        wrapper = self.optimizer
+        if isinstance(wrapper, (BF16_Optimizer, FP16_Optimizer, DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+            from deepspeed_xla import step_guard
+
+            def count(skipped):
+                previous = getattr(wrapper, SKIPPED_STEPS, None)
+                setattr(wrapper, SKIPPED_STEPS, skipped.long() if previous is None else previous + skipped.long())
+
+            step_guard.guard_step(wrapper.optimizer, lambda: wrapper._global_grad_norm, count)
+
+    return configure
+
+
 def _engine_create_checkpoint_engine(original):
     """Give DeepSpeed's checkpoint engine CPU tensors: checkpoints written on XLA load without torch_xla."""
 
@@ -262,12 +427,28 @@ class Patch(NamedTuple):
 # DeepSpeed imports has_inf_or_nan by name, so every importing module's binding is patched.
 _HAS_INF_OR_NAN_DIGEST = "f2891c8e640be50c"
 
+_FP16_OPTIMIZER = "deepspeed.runtime.fp16.fused_optimizer"
+
 PATCHES = [
     *(Patch(module, "", "has_inf_or_nan", _has_inf_or_nan, _HAS_INF_OR_NAN_DIGEST)
       for module in ("deepspeed.runtime.utils", "deepspeed.runtime.zero.stage_1_and_2",
                      "deepspeed.runtime.zero.stage3", "deepspeed.runtime.fp16.loss_scaler")),
     *(Patch(module, "", "clip_tensors_by_global_norm", _clip_tensors_by_global_norm, "7acb1d9576311c93")
       for module in ("deepspeed.runtime.utils", "deepspeed.runtime.bf16_optimizer")),
+    *(Patch(module, "", "is_invalid_grad_norm", _is_invalid_grad_norm, "6afd483e2c88e25e")
+      for module in ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3",
+                     "deepspeed.runtime.bf16_optimizer", _FP16_OPTIMIZER)),
+    Patch(_FP16_OPTIMIZER, "", "CheckOverflow", _fp16_optimizer_overflow_checker, "ad6225ec62eec6f0"),
+    Patch(_FP16_OPTIMIZER, "", "get_flattened_grad_norm", _get_flattened_grad_norm, "0ac9d7bf88d477dc"),
+    Patch(_FP16_OPTIMIZER, "", "get_global_norm", _get_global_norm, "2279a25f9445daa5"),
+    Patch(_FP16_OPTIMIZER, "FP16_Optimizer", "unscale_and_clip_grads", _fp16_optimizer_unscale_and_clip_grads,
+          "87c72c13927c20de"),
+    Patch("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "has_overflow", _zero_has_overflow,
+          "cadc27a13cb7e977"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "skipped_steps", _engine_skipped_steps, "c4c6e01aa1fc4e7d",
+          reads="_take_model_step"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_optimizer", _engine_configure_optimizer,
+          "dd82a70f2f92fe12"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_distributed_model",
           _engine_configure_distributed_model, "a9a57b807f5eed72"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_zero_optimizer",
@@ -339,7 +520,7 @@ def _apply(module, patch: Patch) -> None:
         warnings.warn(f"deepspeed_xla: {patch.module}.{patch.owner}.{patch.attr} differs from DeepSpeed "
                       f"{WRITTEN_FOR}; patched anyway, re-check deepspeed_xla/patches.py against this DeepSpeed.")
     owner = _owner(patch)
-    setattr(owner, patch.attr, patch.wrapper(getattr(owner, patch.attr)))
+    setattr(owner, patch.attr, patch.wrapper(getattr(owner, patch.attr, None)))
     _applied.add(patch)
 
 

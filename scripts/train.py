@@ -25,6 +25,10 @@ import deepspeed
 from deepspeed.accelerator import get_accelerator
 
 
+CLIENT_OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.003, weight_decay=0.01),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),  # no step count: a skip is exact
+}
 WARMUP_STEPS = 3  # XLA compiles the step's graphs during the first steps; counters start after them
 
 
@@ -195,7 +199,7 @@ def write_results(engine, losses, path: str, counters: dict, first_step: int = 0
     rank = engine.global_rank
     with open(path if rank == 0 else f"{path}.rank{rank}", "w") as handle:
         json.dump({"losses": losses, "first_step": first_step, "world_size": engine.world_size, "rank": rank,
-                   "counters": counters,
+                   "counters": counters, "skipped_steps": engine.skipped_steps,
                    "accelerator": get_accelerator().device_name(), "params": weights, **(measured or {})}, handle)
 
 
@@ -209,8 +213,11 @@ def main():
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--pipeline-stages", type=int, default=0, help="train as a DeepSpeed PipelineModule")
     parser.add_argument("--activation-checkpoint-interval", type=int, default=0)
-    parser.add_argument("--client-optimizer", action="store_true",
-                        help="build torch.optim.AdamW before deepspeed.initialize instead of using the config's")
+    parser.add_argument("--client-optimizer", nargs="?", const="adamw", choices=sorted(CLIENT_OPTIMIZERS),
+                        help="build this torch optimizer (default AdamW) before deepspeed.initialize instead of "
+                             "using the config's")
+    parser.add_argument("--nan-grad-at", type=int, default=None, metavar="STEP",
+                        help="make every gradient of this step NaN (DeepSpeed's ZeRO and bf16 optimizers skip it)")
     parser.add_argument("--losses-out", default=None, help="write per-step losses (rank 0) as JSON here")
     parser.add_argument("--plot", default=None, metavar="PNG", help="draw rank 0's loss curve into this PNG file")
     parser.add_argument("--save-dir", default=None, help="checkpoint directory for --save-at")
@@ -224,6 +231,8 @@ def main():
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
+    if args.nan_grad_at is not None and args.pipeline_stages:
+        parser.error("--nan-grad-at works on the plain engine only (the pipeline engine runs its own backward)")
     if args.save_at and not args.save_dir:
         parser.error("--save-at needs --save-dir (where to write the checkpoints)")
 
@@ -234,7 +243,7 @@ def main():
     else:
         model = TinyGPT(args.vocab, args.dim, args.layers, seq=args.seq)
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=0.003, weight_decay=0.01) if args.client_optimizer else None
+    optimizer = CLIENT_OPTIMIZERS[args.client_optimizer](params) if args.client_optimizer else None
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=params, optimizer=optimizer)
     pipelined = args.pipeline_stages > 0
     rank = engine.global_rank
@@ -260,7 +269,7 @@ def main():
             micro_losses = []
             for tokens, targets in batches(step):
                 loss = engine(tokens, targets)
-                engine.backward(loss)
+                engine.backward(loss * float("nan") if step == args.nan_grad_at else loss)
                 engine.step()
                 micro_losses.append(read(loss))
         if args.timings:

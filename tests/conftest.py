@@ -40,3 +40,11 @@ def clean_env(**overrides) -> dict:
 @pytest.fixture
 def env():
     return clean_env
+
+
+@pytest.fixture
+def xla_device():
+    """This process's XLA device, with torch_xla imported (PJRT CPU)."""
+    from deepspeed_xla import xla_runtime
+    xla_runtime.torch_xla()
+    return xla_runtime.device()

@@ -67,6 +67,7 @@ def run_ranks(target: str, world_size: int, env: Optional[dict] = None,
 
 
 TRAIN = REPO / "scripts" / "train.py"
+WARMUP_STEPS = 3  # scripts/train.py's default --warmup-steps
 
 
 def ds_config(stage: int, bf16: bool = False, micro_batch: int = 4, accumulation: int = 1, **extra) -> dict:
@@ -127,6 +128,13 @@ def run_against_cpu(workdir: Path, config: dict, **kwargs) -> Tuple[dict, dict]:
     with ThreadPoolExecutor(max_workers=2) as pool:
         runs = [pool.submit(run_training, workdir / name, name, config, **kwargs) for name in ("xla", "cpu")]
         return runs[0].result(), runs[1].result()
+
+
+def counts_per_step(result: dict) -> dict:
+    """After ``scripts/train.py``'s warm-up: XLA compilations (in all), executions and device->host transfers per step."""
+    warm, end = result["counters"]["warm"], result["counters"]["end"]
+    steps = len(result["losses"]) - WARMUP_STEPS
+    return {key: (end[key] - warm[key]) / (1 if key == "compilations" else steps) for key in end}
 
 
 def max_abs_diff(a, b) -> float:

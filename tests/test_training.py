@@ -5,7 +5,7 @@ the same test. Tolerances: fp32 1e-4, bf16 2e-2 (max abs difference of per-step 
 """
 import pytest
 
-from tests.multiproc import ds_config, max_abs_diff, run_against_cpu
+from tests.multiproc import counts_per_step, ds_config, max_abs_diff, run_against_cpu
 
 TOLERANCE = {False: 1e-4, True: 2e-2}
 
@@ -19,6 +19,9 @@ def test_single_process_losses_match_cpu_accelerator(tmp_path, stage, bf16):
     assert len(xla["losses"]) == 20
     assert xla["losses"][-1] < xla["losses"][0] - 0.5, "the model did not train"
     assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[bf16]
+    # One graph per step and no host read but the loss the script prints: DeepSpeed's overflow and
+    # norm checks stay on the device.
+    assert counts_per_step(xla) == {"compilations": 0, "executions": 1, "transfers_to_host": 1}
 
 
 def test_client_optimizer_accumulation_clipping_and_scheduler(tmp_path):
@@ -30,3 +33,15 @@ def test_client_optimizer_accumulation_clipping_and_scheduler(tmp_path):
     xla, cpu = run_against_cpu(tmp_path, config, steps=8, train_args=("--client-optimizer", ))
     assert xla["losses"][-1] < xla["losses"][0]
     assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[False]
+
+
+@pytest.mark.parametrize("stage,bf16", [(1, False), (3, False), (0, True)], ids=["zero1", "zero3", "bf16-zero0"])
+def test_step_with_invalid_gradients_is_skipped_as_on_cpu(tmp_path, stage, bf16):
+    """NaN gradients at step 3: DeepSpeed skips the step on the host (CPU), deepspeed_xla on the device.
+
+    SGD with momentum keeps no step count, so the two skips leave exactly the same state."""
+    config = ds_config(stage, bf16=bf16, zero_allow_untested_optimizer=True)
+    xla, cpu = run_against_cpu(tmp_path, config, steps=7,
+                               train_args=("--client-optimizer", "sgd", "--nan-grad-at", "3"))
+    assert (xla["skipped_steps"], cpu["skipped_steps"]) == (1, 1)
+    assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[bf16]

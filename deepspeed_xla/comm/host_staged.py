@@ -52,6 +52,15 @@ def _write_back(targets: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor]) 
                 target.copy_(host)
 
 
+def _copy_local(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    """Any collective of a one-rank group: each output is its input (in place, or a copy in the output's shape)."""
+    assert len(inputs) == len(outputs), "a one-rank collective pairs each input with one output"
+    with torch.no_grad():
+        for target, source in zip(outputs, inputs):
+            if target is not source:
+                target.copy_(source.reshape(target.shape))
+
+
 def _wait(works) -> None:
     try:
         for work in works if isinstance(works, (list, tuple)) else [works]:
@@ -139,8 +148,14 @@ class HostStagedProcessGroup(ProcessGroup):
         return _HostWork(call(host_in, host_out), outputs, host_out)
 
     def _run(self, inputs, outputs, call):
-        """``_start`` and finish: collectives complete before they return, as with the ``xla`` backend."""
-        self._start(inputs, outputs, call).wait()
+        """``_start`` and finish: collectives complete before they return, as with the ``xla`` backend.
+
+        A one-rank group copies on the device instead: staging would cut the step's graph for nothing.
+        """
+        if self.size() == 1:
+            _copy_local(inputs, outputs)
+        else:
+            self._start(inputs, outputs, call).wait()
         return _done(list(outputs))
 
     # coalescing: torch runs the recorded ops through the *_coalesced methods below
