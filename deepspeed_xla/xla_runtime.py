@@ -113,6 +113,24 @@ def to_host(tensors):
     return tx._XLAC._xla_get_cpu_tensors(tensors)
 
 
+def host_views(tensors):
+    """Materialize XLA tensors with one execution and return host tensors sharing their buffers (DLPack).
+
+    Only where device memory is host memory (PJRT CPU); the views are for reading: XLA buffers are
+    immutable to everything else, and a scalar's may be shared through torch_xla's data cache.
+    """
+    tx = torch_xla()
+    from torch.utils.dlpack import from_dlpack
+    tx._XLAC._xla_sync_multi(tensors, devices=[], wait=True, sync_xla_data=True)
+    wait_device()  # a buffer an earlier asynchronous execution is still writing has no data yet
+    return [from_dlpack(tx._XLAC._to_dlpack(t)) for t in tensors]
+
+
+def device_alias(host):
+    """An XLA tensor over ``host``'s memory, without a copy (PJRT CPU; ``host`` must not change afterwards)."""
+    return torch_xla()._XLAC._from_dlpack(host.contiguous().__dlpack__())
+
+
 def graph_counters() -> dict:
     """Compilations, graph executions and device->host transfers so far in this process (torch_xla metrics).
 

@@ -17,5 +17,8 @@ fi
 env -u DS_ACCELERATOR "$DSX_VENV/bin/pip" install -q --no-deps --force-reinstall "$DSX_ROOT"
 export PATH="$DSX_VENV/bin:$PATH"
 export PJRT_DEVICE="${PJRT_DEVICE:-CPU}"
+# DeepSpeed JIT-builds C++ ops (the CPU accelerator's shm all-reduce, cpu_adam) into this directory;
+# one per venv, so another venv's build (other paths, other flags) never forces a 2-minute rebuild.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$DSX_VENV/torch_extensions}"
 export DSX_VENV DSX_ROOT
 set +euo pipefail

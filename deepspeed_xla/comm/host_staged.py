@@ -2,8 +2,12 @@
 
 PJRT CPU has no cross-process XLA collectives, and gloo handed XLA tensors silently does nothing or
 hangs. This process group materializes the XLA operands (one execution for all of them), runs the
-op with gloo on host copies, and writes the results back into the XLA tensors; CPU tensors go to
-gloo directly. Everything above torch.distributed (DeepSpeed's comm layer, ZeRO, the pipeline
+op with gloo on host memory, and writes the results back into the XLA tensors; CPU tensors go to
+gloo directly. On PJRT CPU, where device buffers are host memory, nothing crosses a device boundary:
+gloo reads the XLA buffers through DLPack, and each result reaches its XLA tensor as a copy from an
+XLA alias of gloo's buffer inside the next graph (an in-place operand is also copied once on the
+host first, since XLA buffers must not change). Elsewhere (the TPU side channel) the operands are
+copied to host memory and back. Everything above torch.distributed (DeepSpeed's comm layer, ZeRO, the pipeline
 engine) runs the same code as on TPU, where the ``xla`` backend is used instead.
 
 Subgroups work as usual: ``new_group`` calls the creator again with the group's own store.
@@ -12,6 +16,7 @@ gloo's timeout is the group's, or ``DS_XLA_COMM_TIMEOUT``; a failed gloo op name
 Collectives complete before they return (the returned Work is already finished); sends and receives
 run until their Work is waited on, so paired isend/irecv do not deadlock.
 """
+import functools
 import os
 from datetime import timedelta
 from typing import List, Sequence
@@ -32,11 +37,20 @@ def _is_xla(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "xla"
 
 
+@functools.lru_cache(maxsize=None)
+def _zero_copy() -> bool:
+    """Device buffers are host memory (PJRT CPU): gloo reads them in place and fills buffers XLA adopts."""
+    from deepspeed_xla.devices import current_device_type
+    return current_device_type().host_addressable
+
+
 def _to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Host tensors for ``tensors``: CPU ones as they are, XLA ones copied with one execution."""
+    """Host tensors for ``tensors``: CPU ones as they are, XLA ones with one execution, then views or copies."""
     xla = [t for t in tensors if _is_xla(t)]
-    copies = iter(xla_runtime.to_host(xla) if xla else [])
-    return [next(copies) if _is_xla(t) else t for t in tensors]
+    if not xla:
+        return list(tensors)
+    hosts = iter(xla_runtime.host_views(xla) if _zero_copy() else xla_runtime.to_host(xla))
+    return [next(hosts) if _is_xla(t) else t for t in tensors]
 
 
 def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
@@ -44,12 +58,21 @@ def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype) if _is_xla(tensor) else tensor
 
 
+def _writable(staged: torch.Tensor) -> torch.Tensor:
+    """An in-place operand's host buffer: a view of an XLA buffer is read-only, gloo writes a copy."""
+    return staged.clone() if _zero_copy() else staged
+
+
 def _write_back(targets: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor]) -> None:
-    """Like a backend writing device memory: no autograd (targets may be parameters, e.g. tied weights)."""
+    """Like a backend writing device memory: no autograd (targets may be parameters, e.g. tied weights).
+
+    Zero-copy, the source is an XLA alias of the host buffer: the copy joins the next graph (and reaches
+    the target's views and base like any in-place op) instead of being a host-to-device transfer.
+    """
     with torch.no_grad():
         for target, host in zip(targets, hosts):
             if target is not host:
-                target.copy_(host)
+                target.copy_(xla_runtime.device_alias(host) if _zero_copy() and _is_xla(target) else host)
 
 
 def _copy_local(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
@@ -139,12 +162,18 @@ class HostStagedProcessGroup(ProcessGroup):
     def _start(self, inputs, outputs, call) -> _HostWork:
         """Stage ``inputs`` to host and start ``call(host_in, host_out)`` on gloo; wait writes ``outputs`` back.
 
-        An output that is also an input shares its host copy; the others get fresh host buffers.
+        An output that is also an input starts from its staged data; the others get fresh host buffers.
         ``call`` returns the gloo Work, or a list of them.
         """
         host_in = _to_host(inputs)
         staged = {id(t): host for t, host in zip(inputs, host_in)}
-        host_out = [staged[id(t)] if id(t) in staged else _host_buffer(t) for t in outputs]
+
+        def output_buffer(tensor):
+            if id(tensor) not in staged:
+                return _host_buffer(tensor)
+            return _writable(staged[id(tensor)]) if _is_xla(tensor) else staged[id(tensor)]
+
+        host_out = [output_buffer(t) for t in outputs]
         return _HostWork(call(host_in, host_out), outputs, host_out)
 
     def _run(self, inputs, outputs, call):
@@ -178,7 +207,7 @@ class HostStagedProcessGroup(ProcessGroup):
     def reduce(self, tensors, opts):
         """Only the root's tensors change: gloo scribbles on the others' buffers, which stay on the host."""
         outputs = tensors if self.rank() == opts.rootRank else []
-        return self._run(tensors, outputs, lambda i, _: self._gloo.reduce(i, opts))
+        return self._run(tensors, outputs, lambda i, o: self._gloo.reduce(o or [_writable(t) for t in i], opts))
 
     def broadcast(self, tensors, opts):
         inputs = tensors if self.rank() == opts.rootRank else []

@@ -18,6 +18,8 @@ class DeviceType(ABC):
     visible_devices_env: str = ""
     #: Whether XLA itself connects the processes (then PJRT needs the multi-process topology).
     has_xla_collectives: bool = False
+    #: Whether device buffers are host memory that gloo can read and fill directly (DLPack, no copies).
+    host_addressable: bool = False
 
     @abstractmethod
     def is_present(self) -> bool:

@@ -7,6 +7,7 @@ from deepspeed_xla.devices.base import DeviceType, cpu_count, int_env
 
 class CpuDevice(DeviceType):
     pjrt_name = "CPU"
+    host_addressable = True
     visible_devices_env = "DS_XLA_VISIBLE_DEVICES"
 
     def is_present(self) -> bool:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _coalescing_manager
 
+from deepspeed_xla.comm import host_staged
 from tests.multiproc import run_ranks
 
 WORLD = 2
@@ -294,6 +295,33 @@ def subgroups(rank):
 
 
 @check
+def one_rank_groups_stay_on_device(rank):
+    """A group of one (every group of a one-process run) copies on the device: no execution, no transfer."""
+    import torch_xla.debug.metrics as met
+
+    def counts():
+        return [(met.metric_data(name) or (0, 0))[0] for name in ("ExecuteTime", "TransferFromDeviceTime")]
+
+    alone = [dist.new_group([r]) for r in range(WORLD)][rank]
+    before = counts()
+    reduced_ = xla(values(rank, (7,))) * 2  # pending results: staging them would execute a graph
+    dist.all_reduce(reduced_, group=alone)
+    gathered = [stale((3, 5))]
+    dist.all_gather(gathered, xla(values(rank, (3, 5))) * 2, group=alone)
+    single = stale((7,))
+    dist.all_to_all_single(single, xla(values(rank, (7,))) * 2, group=alone)
+    pieces = [stale((7,), torch.int64)]
+    dist.all_to_all(pieces, [xla(values(rank, (7,), torch.int64)) * 2], group=alone)
+    scattered = stale((7,))
+    dist.reduce_scatter(scattered, [xla(values(rank, (7,))) * 2], group=alone)
+    assert counts() == before, f"rank {rank}: one-rank collectives executed or transferred: {before} -> {counts()}"
+    for what, got, dtype in [("all_reduce", reduced_, torch.float32), ("all_gather", gathered[0], None),
+                             ("all_to_all_single", single, torch.float32), ("all_to_all", pieces[0], torch.int64),
+                             ("reduce_scatter", scattered, torch.float32)]:
+        expect(f"{what} alone", got, values(rank, tuple(got.shape), dtype or torch.float32) * 2)
+
+
+@check
 def async_handles(rank):
     tensor = xla(values(rank, (7,)))
     gathered = stale((WORLD * 7,), torch.bfloat16)
@@ -359,23 +387,29 @@ def staging_cost(rank):
             dist.all_gather_into_tensor(output, input.flatten())
     (executions_after, _), (transfers_after, inbound_after) = counts()
     assert executions_after - executions == 1, f"rank {rank}: {executions_after - executions} XLA executions"
-    assert transfers_after - transfers == 1, f"rank {rank}: {transfers_after - transfers} device-to-host transfers"
-    input_bytes = sum(t.numel() * t.element_size() for t in inputs)
+    zero_copy = host_staged._zero_copy()
+    input_bytes = 0 if zero_copy else sum(t.numel() * t.element_size() for t in inputs)
+    assert transfers_after - transfers == (0 if zero_copy else 1), \
+        f"rank {rank}: {transfers_after - transfers} device-to-host transfers (zero copy: {zero_copy})"
     assert inbound_after - inbound == input_bytes, \
-        f"rank {rank}: {inbound_after - inbound:.0f} bytes copied to host, the inputs are {input_bytes}"
+        f"rank {rank}: {inbound_after - inbound:.0f} bytes copied to host, expected {input_bytes}"
     for salt, (shape, output) in enumerate(zip(SHAPES, outputs)):
         want = torch.cat([values(r, shape, torch.float32, salt).flatten() * 2 for r in range(WORLD)])
         expect(f"staged all_gather_into_tensor {shape}", output, want)
 
 
+STAGING = {"zero-copy": True, "copies": False}  # PJRT CPU's path, and the TPU side channel's
+
+
 def rank_main() -> None:
-    """One rank: join the ``xla_host`` world and run every check in order."""
-    import deepspeed_xla.comm.host_staged  # noqa: F401  (registers the backend)
+    """One rank: join the ``xla_host`` world and run every check in order, for each way of staging."""
     dist.init_process_group("xla_host", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    for fn in CHECKS:
-        fn(rank)
-        print(f"PASS {fn.__name__}", flush=True)
+    for staging, zero_copy in STAGING.items():
+        host_staged._zero_copy = lambda: zero_copy
+        for fn in CHECKS:
+            fn(rank)
+            print(f"PASS {staging} {fn.__name__}", flush=True)
     dist.destroy_process_group()
 
 
@@ -385,10 +419,12 @@ def ranks():
 
 
 @pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])
-def test_collective(ranks, name):
+@pytest.mark.parametrize("staging", list(STAGING))
+def test_collective(ranks, staging, name):
     for rank, proc in enumerate(ranks):
-        if f"PASS {name}" not in proc.stdout.splitlines():
-            pytest.fail(f"rank {rank} (exit code {proc.returncode}) did not pass {name}:\n{proc.stderr[-6000:]}")
+        if f"PASS {staging} {name}" not in proc.stdout.splitlines():
+            pytest.fail(f"rank {rank} (exit code {proc.returncode}) did not pass {name} ({staging}):\n"
+                        f"{proc.stderr[-6000:]}")
 
 
 def test_ranks_exit_cleanly(ranks):
