@@ -147,6 +147,15 @@ def graph_counters() -> dict:
             "transfers_to_host": count("TransferFromDeviceTime")}
 
 
+def _device_type(tensor) -> str:
+    """"" for a tensor torn down under the scan ("tensor does not have a device"; seen once in a 4-rank
+    pipeline run since the host staging uses DLPack tensors): it holds no buffer any more."""
+    try:
+        return tensor.device.type
+    except RuntimeError:
+        return ""
+
+
 def live_device_bytes() -> int:
     """Bytes of the distinct device buffers that live XLA tensors of this process hold.
 
@@ -158,7 +167,7 @@ def live_device_bytes() -> int:
     gc.collect()  # unreachable tensors waiting for the cycle collector hold no memory anyone can use
     handles = {}
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and obj.device.type == "xla":  # type(): no __class__ lookups
+        if issubclass(type(obj), torch.Tensor) and _device_type(obj) == "xla":  # type(): no __class__ lookups
             try:
                 handle = torch_xla()._XLAC._get_tensors_handle([obj])[0]
             except RuntimeError:  # not executed yet (or a view never materialized): no buffer of its own
