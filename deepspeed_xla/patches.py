@@ -162,8 +162,7 @@ def _zero_has_overflow(original):
 
     @functools.wraps(original)
     def has_overflow(self, partition_gradients=True):
-        from deepspeed.accelerator import get_accelerator
-        if self.compute_grad_norm and not self.cpu_offload and get_accelerator().device_name() == "xla":
+        if self.compute_grad_norm and not self.cpu_offload:  # patched only under the XLA accelerator
             return False
         return original(self, partition_gradients)
 
@@ -219,10 +218,12 @@ def _get_global_norm(original):
     @functools.wraps(original)
     def get_global_norm(norm_list):
         from deepspeed_xla import step_guard
-        if not any(step_guard.is_device_checked(norm) for norm in norm_list):
+        device_norms = [norm for norm in norm_list if step_guard.is_device_checked(norm)]
+        if not device_norms:
             return original(norm_list)
         import torch
-        norms = torch.stack([torch.as_tensor(norm, dtype=torch.float32).to(norm_list[0].device) for norm in norm_list])
+        device = device_norms[0].device
+        norms = torch.stack([torch.as_tensor(norm, dtype=torch.float32).to(device) for norm in norm_list])
         valid = step_guard.valid_norm(norms)
         return torch.where(valid, norms.square().sum().sqrt(), torch.tensor(float("inf"), device=norms.device))
 

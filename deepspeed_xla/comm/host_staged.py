@@ -7,8 +7,8 @@ gloo directly. On PJRT CPU, where device buffers are host memory, nothing crosse
 gloo reads the XLA buffers through DLPack, and each result reaches its XLA tensor as a copy from an
 XLA alias of gloo's buffer inside the next graph (an in-place operand is also copied once on the
 host first, since XLA buffers must not change). Elsewhere (the TPU side channel) the operands are
-copied to host memory and back. Everything above torch.distributed (DeepSpeed's comm layer, ZeRO, the pipeline
-engine) runs the same code as on TPU, where the ``xla`` backend is used instead.
+copied to host memory and back. Everything above torch.distributed (DeepSpeed's comm layer, ZeRO,
+the pipeline engine) runs the same code as on TPU, where the ``xla`` backend is used instead.
 
 Subgroups work as usual: ``new_group`` calls the creator again with the group's own store.
 gloo's timeout is the group's, or ``DS_XLA_COMM_TIMEOUT``; a failed gloo op names the failed rank
