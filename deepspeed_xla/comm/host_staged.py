@@ -13,13 +13,16 @@ the pipeline engine) runs the same code as on TPU, where the ``xla`` backend is 
 Subgroups work as usual: ``new_group`` calls the creator again with the group's own store.
 gloo's timeout is the group's, or ``DS_XLA_COMM_TIMEOUT``; a failed gloo op names the failed rank
 (``comm/watchdog.py``).
-Collectives complete before they return (the returned Work is already finished); sends and receives
-run until their Work is waited on, so paired isend/irecv do not deadlock.
+A collective runs when its Work is waited on (at once for a blocking call), together with every
+collective issued before it: every rank issues them in the same order, so running them in that order
+keeps each group's sequence, and their XLA operands are staged together in one execution (ZeRO-3
+issues one asynchronous all-gather per parameter and waits on them all). Sends and receives start at
+once and run until their Work is waited on, so paired isend/irecv do not deadlock.
 """
 import functools
 import os
 from datetime import timedelta
-from typing import List, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -124,6 +127,74 @@ def _gloo_group(store, rank: int, size: int, timeout: timedelta, lazy: bool) -> 
             os.environ[_GLOO_LAZY] = previous
 
 
+def _alias_key(tensor: torch.Tensor) -> int:
+    """Tensors with the same key may share memory: a view is keyed by its base."""
+    return id(tensor._base if tensor._base is not None else tensor)
+
+
+class _Issued:
+    """Collectives issued and not yet run, in issue order, over all groups of this process."""
+
+    def __init__(self):
+        self.ops: List["_PendingWork"] = []
+        self.written = set()
+
+    def before_reading(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Run the queue if a queued op writes one of ``tensors``: a reader sees the op's result."""
+        if any(_alias_key(t) in self.written for t in tensors):
+            self.run()
+
+    def add(self, work: "_PendingWork") -> None:
+        self.before_reading(work.inputs)
+        self.ops.append(work)
+        self.written.update(_alias_key(t) for t in work.outputs)
+
+    def run(self) -> None:
+        """Stage every queued op's operands at once, then run the ops in order."""
+        ops, self.ops, self.written = self.ops, [], set()
+        staged = iter(_to_host([t for op in ops for t in op.inputs]))
+        for op in ops:
+            op.run([next(staged) for _ in op.inputs])
+
+
+_ISSUED = _Issued()
+
+
+class _PendingWork(dist.Work):
+    """A collective queued in ``_ISSUED``: waiting on it runs it and everything issued before it."""
+
+    def __init__(self, group: "HostStagedProcessGroup", inputs, outputs, call: Callable):
+        super().__init__()
+        self.group, self.inputs, self.outputs, self.call = group, list(inputs), list(outputs), call
+        self.done = False
+
+    def run(self, host_in: List[torch.Tensor]) -> None:
+        self.group._launch(self.inputs, host_in, self.outputs, self.call).wait()
+        self.done = True
+
+    def _finish(self) -> None:
+        if not self.done:
+            _ISSUED.run()
+
+    def wait(self, timeout=None) -> bool:
+        self._finish()
+        return True
+
+    def is_completed(self) -> bool:
+        self._finish()
+        return True
+
+    def result(self) -> List[torch.Tensor]:
+        self._finish()
+        return self.outputs
+
+    def get_future(self) -> torch.futures.Future:
+        self._finish()
+        future = torch.futures.Future()
+        future.set_result(self.outputs)
+        return future
+
+
 class _HostWork(dist.Work):
     """A gloo op on host buffers; ``wait`` finishes it and writes the results into the XLA tensors."""
 
@@ -160,12 +231,17 @@ class HostStagedProcessGroup(ProcessGroup):
         return self._group_name
 
     def _start(self, inputs, outputs, call) -> _HostWork:
-        """Stage ``inputs`` to host and start ``call(host_in, host_out)`` on gloo; wait writes ``outputs`` back.
+        """Run the issued collectives, then stage ``inputs`` and start ``call`` (sends and receives)."""
+        _ISSUED.run()
+        return self._launch(inputs, _to_host(inputs), outputs, call)
+
+    def _launch(self, inputs, host_in, outputs, call) -> _HostWork:
+        """Start ``call(host_in, host_out)`` on gloo, ``host_in`` being ``inputs`` staged; wait writes
+        ``outputs`` back.
 
         An output that is also an input starts from its staged data; the others get fresh host buffers.
         ``call`` returns the gloo Work, or a list of them.
         """
-        host_in = _to_host(inputs)
         staged = {id(t): host for t, host in zip(inputs, host_in)}
 
         def output_buffer(tensor):
@@ -176,22 +252,26 @@ class HostStagedProcessGroup(ProcessGroup):
         host_out = [output_buffer(t) for t in outputs]
         return _HostWork(call(host_in, host_out), outputs, host_out)
 
-    def _run(self, inputs, outputs, call):
-        """``_start`` and finish: collectives complete before they return, as with the ``xla`` backend.
+    def _run(self, inputs, outputs, call) -> dist.Work:
+        """Issue a collective; it runs when waited on (``_Issued``).
 
         A one-rank group copies on the device instead: staging would cut the step's graph for nothing.
         """
         if self.size() == 1:
+            _ISSUED.before_reading(inputs)
             _copy_local(inputs, outputs)
-        else:
-            self._start(inputs, outputs, call).wait()
-        return _done(list(outputs))
+            return _done(list(outputs))
+        work = _PendingWork(self, inputs, outputs, call)
+        _ISSUED.add(work)
+        return work
 
     # coalescing: torch runs the recorded ops through the *_coalesced methods below
     def _start_coalescing(self, device: torch.device) -> None:
         """Nothing to start; the C++ default looks for a per-device backend, which a Python group lacks."""
 
     def _end_coalescing(self, device: torch.device) -> dist.Work:
+        """torch keeps this Work, not the coalesced op's, when a device is given: run the op now."""
+        _ISSUED.run()
         return _done()
 
     # all-reduce family
@@ -285,6 +365,7 @@ class HostStagedProcessGroup(ProcessGroup):
         return self._start([], tensors, lambda _, o: self._gloo.recv_anysource(o, tag))
 
     def barrier(self, opts=None):
+        _ISSUED.run()
         _wait(self._gloo.barrier(opts or dist.BarrierOptions()))
         return _done()
 

@@ -340,6 +340,38 @@ def async_handles(rank):
 
 
 @check
+def async_ops_run_together(rank):
+    """ZeRO-3's persistent-parameter gather: one async all-gather per tensor, waited on at the end, is
+    one XLA execution for all of them; an op that reads an earlier one's output still sees its result."""
+    import torch_xla.debug.metrics as met
+
+    def executions():
+        return (met.metric_data("ExecuteTime") or (0,))[0]
+
+    inputs = [xla(values(rank, shape, torch.float32, salt)) * 3 for salt, shape in enumerate(SHAPES * 2)]
+    outputs = [stale((WORLD * t.numel(),)) for t in inputs]
+    before = executions()
+    works = [dist.all_gather_into_tensor(out, inp.flatten(), async_op=True) for out, inp in zip(outputs, inputs)]
+    issued = executions()
+    for work in works:
+        assert work.wait()
+    assert (issued - before, executions() - issued) == (0, 1), \
+        f"rank {rank}: {issued - before} executions at issue, {executions() - issued} at wait (want 0, 1)"
+    for salt, (shape, output) in enumerate(zip(SHAPES * 2, outputs)):
+        want = torch.cat([values(r, shape, torch.float32, salt).flatten() * 3 for r in range(WORLD)])
+        expect(f"async all_gather_into_tensor {shape} #{salt}", output, want)
+
+    summed = xla(values(rank, (7,)))
+    gathered = stale((WORLD * 7,))
+    first = dist.all_reduce(summed, async_op=True)
+    second = dist.all_gather_into_tensor(gathered, summed, async_op=True)
+    second.wait()
+    first.wait()
+    total = reduced("SUM", (7,), torch.float32)
+    expect("all_gather of an async all_reduce's output", gathered, torch.cat([total] * WORLD))
+
+
+@check
 def coalescing_manager(rank):
     """ZeRO-3's path (deepspeed/comm/torch.py ``all_gather_coalesced``), then the other fast paths."""
     for async_ops in (False, True):
