@@ -137,21 +137,29 @@ class _Issued:
 
     def __init__(self):
         self.ops: List["_PendingWork"] = []
-        self.written = set()
+        self.read, self.written = set(), set()
 
-    def before_reading(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Run the queue if a queued op writes one of ``tensors``: a reader sees the op's result."""
-        if any(_alias_key(t) in self.written for t in tensors):
+    def _run_if_any(self, tensors: Sequence[torch.Tensor], keys: set) -> None:
+        if any(_alias_key(t) in keys for t in tensors):
             self.run()
 
     def add(self, work: "_PendingWork") -> None:
-        self.before_reading(work.inputs)
+        """Queue ``work``. Queued ops stage all their inputs before any writes back, so only an op that
+        reads what a queued op writes must wait for the queue to run."""
+        self._run_if_any(work.inputs, self.written)
         self.ops.append(work)
+        self.read.update(_alias_key(t) for t in work.inputs)
         self.written.update(_alias_key(t) for t in work.outputs)
+
+    def before_now(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        """Before an op that runs at once: run the queue if the op reads what it writes, or writes what it
+        reads or writes (issued later, the op must see the queue's results and not change its inputs)."""
+        self._run_if_any(inputs, self.written)
+        self._run_if_any(outputs, self.read | self.written)
 
     def run(self) -> None:
         """Stage every queued op's operands at once, then run the ops in order."""
-        ops, self.ops, self.written = self.ops, [], set()
+        ops, self.ops, self.read, self.written = self.ops, [], set(), set()
         staged = iter(_to_host([t for op in ops for t in op.inputs]))
         for op in ops:
             op.run([next(staged) for _ in op.inputs])
@@ -258,7 +266,7 @@ class HostStagedProcessGroup(ProcessGroup):
         A one-rank group copies on the device instead: staging would cut the step's graph for nothing.
         """
         if self.size() == 1:
-            _ISSUED.before_reading(inputs)
+            _ISSUED.before_now(inputs, outputs)
             _copy_local(inputs, outputs)
             return _done(list(outputs))
         work = _PendingWork(self, inputs, outputs, call)

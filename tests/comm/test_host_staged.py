@@ -7,7 +7,7 @@ the run; ``test_collective[<check>]`` names the first check that failed.
 """
 import math
 from datetime import timedelta
-from typing import Callable, List
+from typing import Callable, List, Tuple
 
 import pytest
 import torch
@@ -56,6 +56,12 @@ def expect(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
         f"rank {rank}, {what}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"
     host = got.cpu()
     assert torch.equal(host, want), f"rank {rank}, {what}:\n got {host}\nwant {want}"
+
+
+def xla_metrics(*names: str) -> List[Tuple[float, float]]:
+    """(count, total) of each torch_xla metric, (0, 0) before its first sample."""
+    import torch_xla.debug.metrics as met
+    return [tuple((met.metric_data(name) or (0, 0))[:2]) for name in names]
 
 
 def xla(tensor: torch.Tensor) -> torch.Tensor:
@@ -297,10 +303,8 @@ def subgroups(rank):
 @check
 def one_rank_groups_stay_on_device(rank):
     """A group of one (every group of a one-process run) copies on the device: no execution, no transfer."""
-    import torch_xla.debug.metrics as met
-
     def counts():
-        return [(met.metric_data(name) or (0, 0))[0] for name in ("ExecuteTime", "TransferFromDeviceTime")]
+        return xla_metrics("ExecuteTime", "TransferFromDeviceTime")
 
     alone = [dist.new_group([r]) for r in range(WORLD)][rank]
     before = counts()
@@ -342,11 +346,9 @@ def async_handles(rank):
 @check
 def async_ops_run_together(rank):
     """ZeRO-3's persistent-parameter gather: one async all-gather per tensor, waited on at the end, is
-    one XLA execution for all of them; an op that reads an earlier one's output still sees its result."""
-    import torch_xla.debug.metrics as met
-
+    one XLA execution for all of them; ops issued later see their results and do not change their inputs."""
     def executions():
-        return (met.metric_data("ExecuteTime") or (0,))[0]
+        return xla_metrics("ExecuteTime")[0][0]
 
     inputs = [xla(values(rank, shape, torch.float32, salt)) * 3 for salt, shape in enumerate(SHAPES * 2)]
     outputs = [stale((WORLD * t.numel(),)) for t in inputs]
@@ -369,6 +371,16 @@ def async_ops_run_together(rank):
     first.wait()
     total = reduced("SUM", (7,), torch.float32)
     expect("all_gather of an async all_reduce's output", gathered, torch.cat([total] * WORLD))
+
+    alone = [dist.new_group([r]) for r in range(WORLD)][rank]
+    source = xla(values(rank, (7,)))
+    gathered = stale((WORLD * 7,))
+    queued = dist.all_gather_into_tensor(gathered, source, async_op=True)
+    dist.all_gather_into_tensor(source, xla(values(rank, (7,))) * 5, group=alone)  # runs at once, on the device
+    queued.wait()
+    expect("async all_gather whose input a later one-rank op overwrote", gathered,
+           torch.cat([values(r, (7,)) for r in range(WORLD)]))
+    expect("the one-rank op's output", source, values(rank, (7,)) * 5)
 
 
 @check
@@ -406,10 +418,8 @@ def coalescing_manager(rank):
 @check
 def staging_cost(rank):
     """One XLA execution for all operands of an op, and no device-to-host copy of its pure outputs."""
-    import torch_xla.debug.metrics as met
-
     def counts():
-        return [(met.metric_data(name) or (0, 0))[:2] for name in ("ExecuteTime", "InboundData")]
+        return xla_metrics("ExecuteTime", "InboundData")
 
     inputs = [xla(values(rank, shape, torch.float32, salt)) * 2 for salt, shape in enumerate(SHAPES)]
     outputs = [stale((WORLD * t.numel(),)) for t in inputs]  # pending fills: reading them would execute
