@@ -148,8 +148,9 @@ def graph_counters() -> dict:
 
 
 def _device_type(tensor) -> str:
-    """"" for a tensor torn down under the scan ("tensor does not have a device"; seen once in a 4-rank
-    pipeline run since the host staging uses DLPack tensors): it holds no buffer any more."""
+    """The tensor's device type; the empty string for a tensor torn down under the scan ("tensor does not
+    have a device"; seen once in a 4-rank pipeline run since the host staging uses DLPack tensors): it
+    holds no buffer any more."""
     try:
         return tensor.device.type
     except RuntimeError:
