@@ -5,8 +5,9 @@ hangs. This process group materializes the XLA operands (one execution for all o
 op with gloo on host memory, and writes the results back into the XLA tensors; CPU tensors go to
 gloo directly. On PJRT CPU, where device buffers are host memory, nothing crosses a device boundary:
 gloo reads the XLA buffers through DLPack, and each result reaches its XLA tensor as a copy from an
-XLA alias of gloo's buffer inside the next graph (an in-place operand is also copied once on the
-host first, since XLA buffers must not change). Elsewhere (the TPU side channel) the operands are
+XLA alias of gloo's buffer inside the next graph (for a whole tensor, torch_xla just adopts the
+buffer). An in-place operand is copied once on the host first, since XLA buffers must not change;
+large buffers are reused (``host_buffers``). Elsewhere (the TPU side channel) the operands are
 copied to host memory and back. Everything above torch.distributed (DeepSpeed's comm layer, ZeRO,
 the pipeline engine) runs the same code as on TPU, where the ``xla`` backend is used instead.
 
@@ -30,7 +31,7 @@ from torch._C._distributed_c10d import AllgatherOptions, ProcessGroup
 
 from deepspeed_xla import xla_runtime
 from deepspeed_xla.comm import completed_work as _done
-from deepspeed_xla.comm import watchdog
+from deepspeed_xla.comm import host_buffers, watchdog
 
 BACKEND_NAME = "xla_host"
 _GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
@@ -57,13 +58,13 @@ def _to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 
 
 def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
-    """Where gloo writes a pure output: fresh host memory, so the device data is never read."""
-    return torch.empty(tensor.shape, dtype=tensor.dtype) if _is_xla(tensor) else tensor
+    """Where gloo writes a pure output: host memory of its own, so the device data is never read."""
+    return host_buffers.empty(tensor.shape, tensor.dtype) if _is_xla(tensor) else tensor
 
 
 def _writable(staged: torch.Tensor) -> torch.Tensor:
     """An in-place operand's host buffer: a view of an XLA buffer is read-only, gloo writes a copy."""
-    return staged.clone() if _zero_copy() else staged
+    return host_buffers.empty(staged.shape, staged.dtype).copy_(staged) if _zero_copy() else staged
 
 
 def _write_back(targets: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor]) -> None:

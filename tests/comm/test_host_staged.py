@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _coalescing_manager
 
-from deepspeed_xla.comm import host_staged
+from deepspeed_xla.comm import host_buffers, host_staged
 from tests.multiproc import run_ranks
 
 WORLD = 2
@@ -438,6 +438,31 @@ def staging_cost(rank):
     for salt, (shape, output) in enumerate(zip(SHAPES, outputs)):
         want = torch.cat([values(r, shape, torch.float32, salt).flatten() * 2 for r in range(WORLD)])
         expect(f"staged all_gather_into_tensor {shape}", output, want)
+
+
+@check
+def pooled_buffers_keep_results(rank):
+    """Results written into reused host buffers (``host_buffers``): each held result keeps its values
+    while later collectives of the same size run, and a tensor all-reduced again and again stays right."""
+    pooled_bytes, host_buffers.POOLED_BYTES = host_buffers.POOLED_BYTES, 64  # pool these small tensors
+    try:
+        shape = (5, 7)
+        held = []
+        for salt in range(host_buffers.PER_SIZE + 2):
+            tensor = xla(values(rank, shape, salt=salt))
+            dist.all_reduce(tensor)
+            gathered = stale((WORLD,) + shape)
+            dist.all_gather_into_tensor(gathered, xla(values(rank, shape, salt=salt)))
+            held.append((salt, tensor, gathered))
+        repeated = xla(values(rank, shape))
+        for _ in range(3):
+            dist.all_reduce(repeated)
+        for salt, tensor, gathered in held:
+            expect(f"held all_reduce #{salt}", tensor, reduced("SUM", shape, torch.float32, salt))
+            expect(f"held all_gather #{salt}", gathered, torch.stack([values(r, shape, salt=salt) for r in range(WORLD)]))
+        expect("all_reduce three times", repeated, reduced("SUM", shape, torch.float32) * WORLD ** 2)
+    finally:
+        host_buffers.POOLED_BYTES = pooled_bytes
 
 
 STAGING = {"zero-copy": True, "copies": False}  # PJRT CPU's path, and the TPU side channel's
