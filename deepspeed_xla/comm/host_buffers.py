@@ -6,6 +6,9 @@ faulting them in costs several times the copy into warm memory (64 MB on 2 CPU c
 bandwidth. So large buffers are kept and handed out again once nothing else uses their memory: on
 PJRT CPU the XLA tensor that adopted a buffer (``xla_runtime.device_alias``) holds it through DLPack
 until torch_xla drops that device buffer, and that shows in the storage's use count.
+
+The cost is memory kept while idle: up to ``PER_SIZE`` buffers for each size over 32 MB a collective
+has used (ZeRO's buckets and layer shapes repeat, so there are few such sizes).
 """
 import math
 from typing import Dict, List, Sequence, Tuple
