@@ -69,6 +69,11 @@ def xla(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch_xla.device())
 
 
+def own_group(rank: int):
+    """A group of ``rank`` alone. new_group is collective: every rank creates every one-rank group, in order."""
+    return [dist.new_group([r]) for r in range(WORLD)][rank]
+
+
 def stale(shape, dtype=torch.float32) -> torch.Tensor:
     """An XLA output buffer full of a value no check expects, so a missed write shows."""
     import torch_xla
@@ -284,7 +289,7 @@ def subgroups(rank):
     dist.broadcast(tensor, src=1, group=pair)
     expect("broadcast in new_group([0, 1])", tensor, values(1, (7,)))
 
-    alone = [dist.new_group([r]) for r in range(WORLD)][rank]
+    alone = own_group(rank)
     assert dist.get_world_size(alone) == 1 and dist.get_rank(alone) == 0
     tensor = xla(values(rank, (7,)))
     dist.all_reduce(tensor, group=alone)
@@ -306,7 +311,7 @@ def one_rank_groups_stay_on_device(rank):
     def counts():
         return xla_metrics("ExecuteTime", "TransferFromDeviceTime")
 
-    alone = [dist.new_group([r]) for r in range(WORLD)][rank]
+    alone = own_group(rank)
     before = counts()
     reduced_ = xla(values(rank, (7,))) * 2  # pending results: staging them would execute a graph
     dist.all_reduce(reduced_, group=alone)
@@ -372,7 +377,7 @@ def async_ops_run_together(rank):
     total = reduced("SUM", (7,), torch.float32)
     expect("all_gather of an async all_reduce's output", gathered, torch.cat([total] * WORLD))
 
-    alone = [dist.new_group([r]) for r in range(WORLD)][rank]
+    alone = own_group(rank)
     source = xla(values(rank, (7,)))
     gathered = stale((WORLD * 7,))
     queued = dist.all_gather_into_tensor(gathered, source, async_op=True)
