@@ -356,7 +356,7 @@ class HostStagedProcessGroup(ProcessGroup):
     def _alltoall_host(self, outputs, inputs, opts):
         """gloo has no list all-to-all: one alltoall_base between flat buffers split by numel."""
         out_sizes = [t.numel() for t in outputs]
-        flat_out = torch.empty(sum(out_sizes), dtype=outputs[0].dtype)
+        flat_out = host_buffers.empty((sum(out_sizes),), outputs[0].dtype)
         _wait(self._gloo.alltoall_base(flat_out, torch.cat(_as_1d(inputs)), out_sizes, [t.numel() for t in inputs],
                                        opts))
         for output, chunk in zip(outputs, flat_out.split(out_sizes)):
