@@ -78,6 +78,8 @@ def ds_config(stage: int, bf16: bool = False, micro_batch: int = 4, accumulation
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1000,
     }
+    if stage == 3:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # gather and release every parameter
     if bf16:
         config["bf16"] = {"enabled": True}
     config.update(extra)
