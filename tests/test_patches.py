@@ -69,11 +69,25 @@ def test_clip_by_global_norm_stays_on_device_and_matches_upstream(max_norm):
         torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-6)
 
 
+def _configure_zero(zero_config: dict, module=None, has_moe_layers=False):
+    """Run the ``_configure_zero_optimizer`` patch on an engine stand-in; returns DeepSpeed's parsed ZeRO config."""
+    from types import SimpleNamespace
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    zero = DeepSpeedZeroConfig(**zero_config)
+    engine = SimpleNamespace(module=module or torch.nn.Linear(8, 1), has_moe_layers=has_moe_layers,
+                             _config=SimpleNamespace(zero_config=zero))
+    patches._engine_configure_zero_optimizer(lambda self, optimizer: None)(engine, None)
+    return zero
+
+
 def test_capped_bucket_sizes_stay_even():
     """ZeRO-1/2 assert an even all-gather bucket: a model with an odd parameter count (9) gets 10, not 9."""
-    from types import SimpleNamespace
-    zero = SimpleNamespace(reduce_bucket_size=500_000_000, allgather_bucket_size=500_000_000,
-                           prefetch_bucket_size=50_000_000)
-    engine = SimpleNamespace(module=torch.nn.Linear(8, 1), _config=SimpleNamespace(zero_config=zero))
-    patches._engine_configure_zero_optimizer(lambda self, optimizer: None)(engine, None)
+    zero = _configure_zero({"stage": 2})
     assert zero.reduce_bucket_size == zero.allgather_bucket_size == zero.prefetch_bucket_size == 10
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_contiguous_gradients_off_unless_the_config_sets_it(stage):
+    assert _configure_zero({"stage": stage}).contiguous_gradients is False
+    assert _configure_zero({"stage": stage, "contiguous_gradients": True}).contiguous_gradients is True
+    assert _configure_zero({"stage": stage}, has_moe_layers=True).contiguous_gradients is True  # ZeRO-2 MoE needs it
