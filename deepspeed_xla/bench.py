@@ -68,13 +68,25 @@ def flops_per_token(dim: int, layers: int, vocab: int, seq: int) -> int:
     return 6 * matmul_params(dim, layers, vocab) + 12 * layers * seq * dim
 
 
-def ds_config(stage: int, batch: int) -> dict:
+def ds_config(stage: int, batch: int, zero_options: Optional[dict] = None) -> dict:
     zero = {"stage": stage}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # partition every parameter, as a large model's are
+    zero.update(zero_options or {})
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
             "zero_optimization": zero, "steps_per_print": 10 ** 9}
+
+
+def zero_option(text: str):
+    """``KEY=JSON`` of ``--zero``: one zero_optimization setting."""
+    key, sep, value = text.partition("=")
+    try:
+        if key and sep:
+            return key, json.loads(value)
+    except json.JSONDecodeError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: give KEY=JSON, e.g. contiguous_gradients=true or reduce_bucket_size=5e7")
 
 
 def find_train_script(explicit: Optional[str]) -> Path:
@@ -249,7 +261,7 @@ def run_system(system: System, args: argparse.Namespace, train_script: Path, wor
                "--batch", str(args.batch), "--vocab", str(args.vocab), "--seed", str(args.seed)]
     else:
         config = workdir / f"{system.name}.config.json"
-        config.write_text(json.dumps(ds_config(system.stage, args.batch)))
+        config.write_text(json.dumps(ds_config(system.stage, args.batch, dict(args.zero))))
         cmd = deepspeed_command(system.procs, [
             str(train_script), "--deepspeed_config", str(config), "--timings", "--losses-out", str(out),
             "--steps", str(args.steps), "--warmup-steps", str(args.warmup), "--dim", str(args.dim),
@@ -374,7 +386,10 @@ def render(report: dict) -> str:
     lines = [f"TinyGPT dim {model['dim']}, {model['layers']} layers, seq {model['seq']}, batch {model['batch']}/rank, "
              f"vocab {model['vocab']}: {model['flops_per_token']:,} FLOPs/token; {report['steps']} steps, medians "
              f"after {report['warmup']} warm-up; PJRT_DEVICE={report['device']}, {report['cpus']} CPUs, load average "
-             f"{load['start']:.1f} -> {load['end']:.1f}", "", format_table(report["systems"])]
+             f"{load['start']:.1f} -> {load['end']:.1f}"]
+    if report.get("zero_options"):
+        lines[0] += f"; zero_optimization {json.dumps(report['zero_options'])}"
+    lines += ["", format_table(report["systems"])]
     bandwidth = report.get("bandwidth")
     if bandwidth and "ratio" in bandwidth:
         lines += ["", f"all-reduce of {bandwidth['bytes'] >> 20} MB, 2 processes: {bandwidth['backend']} on the device "
@@ -434,6 +449,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", type=parse_system, default=[parse_system(n) for n in DEFAULT_SYSTEMS],
                         metavar="SYSTEM",
                         help=f"floor or <xla|cpu>-zero<0-3>-<N>p (default: {' '.join(DEFAULT_SYSTEMS)})")
+    parser.add_argument("--zero", nargs="+", type=zero_option, default=[], metavar="KEY=JSON",
+                        help="extra zero_optimization settings of the DeepSpeed systems, e.g. contiguous_gradients=true")
     parser.add_argument("--skip-bandwidth", action="store_true", help="skip the all-reduce bandwidth comparison")
     parser.add_argument("--bandwidth-mb", type=int, default=64)
     parser.add_argument("--bandwidth-iters", type=int, default=10)
@@ -472,7 +489,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "vocab": args.vocab, "matmul_params": matmul_params(args.dim, args.layers, args.vocab),
                         "flops_per_token": flops_per_token(args.dim, args.layers, args.vocab, args.seq)},
               "steps": args.steps, "warmup": args.warmup, "device": device_type.pjrt_name, "cpus": os.cpu_count(),
-              "systems": rows, "bandwidth": None if args.skip_bandwidth else run_bandwidth(args, workdir),
+              "zero_options": dict(args.zero), "systems": rows, "bandwidth": None if args.skip_bandwidth else run_bandwidth(args, workdir),
               "zero3_partition": zero3_partition(rows), "workdir": str(workdir)}
     report["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
     report["targets"] = check_targets(report)

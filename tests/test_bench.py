@@ -94,6 +94,15 @@ def test_targets():
         "ZeRO-3 parameter + optimizer bytes per rank, 2 processes / 1": True}
 
 
+def test_zero_options_reach_every_deepspeed_config():
+    args = bench.parse_args(["--zero", "contiguous_gradients=true", "reduce_bucket_size=5e7"])
+    config = bench.ds_config(3, 8, dict(args.zero))["zero_optimization"]
+    assert config == {"stage": 3, "stage3_param_persistence_threshold": 0, "contiguous_gradients": True,
+                      "reduce_bucket_size": 5e7}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--zero", "contiguous_gradients"])
+
+
 def test_bad_arguments_name_the_fix():
     with pytest.raises(SystemExit):
         bench.parse_args(["--steps", "3", "--warmup", "3"])

@@ -3,9 +3,13 @@
 Both sides run ``scripts/train.py`` through the real ``deepspeed`` CLI; the reference is computed in
 the same test. Tolerances: fp32 1e-4, bf16 2e-2 (max abs difference of per-step losses).
 """
+import math
+import re
+
 import pytest
 
-from tests.multiproc import counts_per_step, ds_config, max_abs_diff, run_against_cpu
+from tests.conftest import FAST_COMPILE, REPO
+from tests.multiproc import counts_per_step, ds_config, max_abs_diff, run_against_cpu, run_training
 
 TOLERANCE = {False: 1e-4, True: 2e-2}
 
@@ -45,3 +49,26 @@ def test_step_with_invalid_gradients_is_skipped_as_on_cpu(tmp_path, stage, bf16)
                                train_args=("--client-optimizer", "sgd", "--nan-grad-at", "3"))
     assert (xla["skipped_steps"], cpu["skipped_steps"]) == (1, 1)
     assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[bf16]
+
+
+def _select_sizes(hlo_dir) -> list:
+    """Elements of each ``select`` in the biggest graph torch_xla handed XLA (its HLO before optimization)."""
+    graphs = [path.read_text() for path in hlo_dir.glob("*before_optimizations.txt")]
+    shapes = re.findall(r"= \w+\[([\d,]*)\]\S* select\(", max(graphs, key=len))
+    return [math.prod(int(d) for d in dims.split(",") if d) for dims in shapes]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_step_graph_does_not_copy_gradients_into_flat_buckets(tmp_path, stage, bf16):
+    """torch_xla lowers a copy into a slice of a flat buffer as a select over the whole buffer, so copying
+    each gradient into a flat bucket costs (parameters x bucket) element operations a step."""
+    from deepspeed_xla.bench import _load_train_module
+    hlo = tmp_path / "hlo"
+    run_training(tmp_path, "xla", ds_config(stage, bf16=bf16), steps=2,
+                 extra_env={"XLA_FLAGS": f"{FAST_COMPILE['XLA_FLAGS']} --xla_dump_to={hlo} --xla_dump_hlo_as_text"})
+    model = _load_train_module(str(REPO / "scripts" / "train.py")).TinyGPT(64, 32, 2, seq=16)  # train.py's defaults
+    largest = max(p.numel() for p in model.parameters())
+    # Left: step_guard's torch.where over the flat fp32 parameters and Adam's two moments. With
+    # contiguous_gradients on, the bucket and partition copies add two per parameter (63 for these 30).
+    assert len([n for n in _select_sizes(hlo) if n > largest]) == 3
