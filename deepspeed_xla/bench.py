@@ -86,7 +86,8 @@ def zero_option(text: str):
             return key, json.loads(value)
     except json.JSONDecodeError:
         pass
-    raise argparse.ArgumentTypeError(f"{text!r}: give KEY=JSON, e.g. contiguous_gradients=true or reduce_bucket_size=5e7")
+    raise argparse.ArgumentTypeError(f"{text!r}: give KEY=JSON, e.g. contiguous_gradients=true or "
+                                     "reduce_bucket_size=5e7")
 
 
 def find_train_script(explicit: Optional[str]) -> Path:
@@ -450,7 +451,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         metavar="SYSTEM",
                         help=f"floor or <xla|cpu>-zero<0-3>-<N>p (default: {' '.join(DEFAULT_SYSTEMS)})")
     parser.add_argument("--zero", nargs="+", type=zero_option, default=[], metavar="KEY=JSON",
-                        help="extra zero_optimization settings of the DeepSpeed systems, e.g. contiguous_gradients=true")
+                        help="extra zero_optimization settings of the DeepSpeed systems, "
+                             "e.g. contiguous_gradients=true")
     parser.add_argument("--skip-bandwidth", action="store_true", help="skip the all-reduce bandwidth comparison")
     parser.add_argument("--bandwidth-mb", type=int, default=64)
     parser.add_argument("--bandwidth-iters", type=int, default=10)
@@ -489,7 +491,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "vocab": args.vocab, "matmul_params": matmul_params(args.dim, args.layers, args.vocab),
                         "flops_per_token": flops_per_token(args.dim, args.layers, args.vocab, args.seq)},
               "steps": args.steps, "warmup": args.warmup, "device": device_type.pjrt_name, "cpus": os.cpu_count(),
-              "zero_options": dict(args.zero), "systems": rows, "bandwidth": None if args.skip_bandwidth else run_bandwidth(args, workdir),
+              "zero_options": dict(args.zero), "systems": rows,
+              "bandwidth": None if args.skip_bandwidth else run_bandwidth(args, workdir),
               "zero3_partition": zero3_partition(rows), "workdir": str(workdir)}
     report["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
     report["targets"] = check_targets(report)

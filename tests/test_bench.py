@@ -119,8 +119,8 @@ def test_floor_end_to_end(tmp_path):
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    assert set(report) == {"command", "model", "steps", "warmup", "device", "cpus", "systems", "bandwidth",
-                           "zero3_partition", "workdir", "load_average", "targets"}
+    assert set(report) == {"command", "model", "steps", "warmup", "device", "cpus", "zero_options", "systems",
+                           "bandwidth", "zero3_partition", "workdir", "load_average", "targets"}
     (floor,) = report["systems"]
     assert floor["compilations_after_warmup"] == 0
     assert floor["executions_per_step"] == 1.0
