@@ -262,7 +262,7 @@ def run_system(system: System, args: argparse.Namespace, train_script: Path, wor
                "--batch", str(args.batch), "--vocab", str(args.vocab), "--seed", str(args.seed)]
     else:
         config = workdir / f"{system.name}.config.json"
-        config.write_text(json.dumps(ds_config(system.stage, args.batch, dict(args.zero))))
+        config.write_text(json.dumps(ds_config(system.stage, args.batch, args.zero)))
         cmd = deepspeed_command(system.procs, [
             str(train_script), "--deepspeed_config", str(config), "--timings", "--losses-out", str(out),
             "--steps", str(args.steps), "--warmup-steps", str(args.warmup), "--dim", str(args.dim),
@@ -470,6 +470,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error(f"--dim {args.dim} does not split into TinyGPT's 2 attention heads: pass an even width")
     if args.bandwidth_iters < 1:
         parser.error("--bandwidth-iters must be at least 1")
+    args.zero = dict(args.zero)
     return args
 
 
@@ -491,7 +492,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "vocab": args.vocab, "matmul_params": matmul_params(args.dim, args.layers, args.vocab),
                         "flops_per_token": flops_per_token(args.dim, args.layers, args.vocab, args.seq)},
               "steps": args.steps, "warmup": args.warmup, "device": device_type.pjrt_name, "cpus": os.cpu_count(),
-              "zero_options": dict(args.zero), "systems": rows,
+              "zero_options": args.zero, "systems": rows,
               "bandwidth": None if args.skip_bandwidth else run_bandwidth(args, workdir),
               "zero3_partition": zero3_partition(rows), "workdir": str(workdir)}
     report["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}

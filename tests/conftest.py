@@ -50,3 +50,10 @@ def xla_device():
     from deepspeed_xla import xla_runtime
     xla_runtime.torch_xla()
     return xla_runtime.device()
+
+
+@pytest.fixture(scope="session")
+def train_module():
+    """``scripts/train.py`` as a module (its TinyGPT), loaded without running it."""
+    from deepspeed_xla.bench import _load_train_module
+    return _load_train_module(str(REPO / "scripts" / "train.py"))

@@ -15,11 +15,6 @@ from tests.conftest import REPO, clean_env
 TINY = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4", "--vocab", "64"]
 
 
-@pytest.fixture(scope="module")
-def train_module():
-    return bench._load_train_module(str(REPO / "scripts" / "train.py"))
-
-
 @pytest.mark.parametrize("dim, layers, vocab", [(32, 2, 64), (48, 3, 100)])
 def test_matmul_params_are_the_models_minus_its_embeddings(train_module, dim, layers, vocab):
     model = train_module.TinyGPT(vocab, dim, layers, seq=16)
@@ -96,7 +91,7 @@ def test_targets():
 
 def test_zero_options_reach_every_deepspeed_config():
     args = bench.parse_args(["--zero", "contiguous_gradients=true", "reduce_bucket_size=5e7"])
-    config = bench.ds_config(3, 8, dict(args.zero))["zero_optimization"]
+    config = bench.ds_config(3, 8, args.zero)["zero_optimization"]
     assert config == {"stage": 3, "stage3_param_persistence_threshold": 0, "contiguous_gradients": True,
                       "reduce_bucket_size": 5e7}
     with pytest.raises(SystemExit):
@@ -110,7 +105,7 @@ def test_bad_arguments_name_the_fix():
         bench.find_train_script(str(REPO / "no-such-train.py"))
 
 
-def test_floor_end_to_end(tmp_path):
+def test_floor_end_to_end(tmp_path, train_module):
     """The CLI as a user runs it (floor only, 6 steps): one table, JSON, PNG, and the floor's exact counts."""
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = subprocess.run([sys.executable, "-m", "deepspeed_xla.bench", "--systems", "floor", "--steps", "6",
@@ -125,8 +120,7 @@ def test_floor_end_to_end(tmp_path):
     assert floor["compilations_after_warmup"] == 0
     assert floor["executions_per_step"] == 1.0
     assert floor["transfers_per_step"] == 0.0
-    params = sum(p.numel() for p in bench._load_train_module(str(REPO / "scripts" / "train.py")).TinyGPT(
-        64, 32, 2, seq=16).parameters())
+    params = sum(p.numel() for p in train_module.TinyGPT(64, 32, 2, seq=16).parameters())
     # the parameters and AdamW's two moments, in float32 (and AdamW's step counts, on the host); on the device
     # besides them only the six losses and the last batch
     assert 12 * params <= floor["state_bytes_per_rank"] <= 12 * params + 4 * 64

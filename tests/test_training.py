@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.conftest import FAST_COMPILE, REPO
+from tests.conftest import FAST_COMPILE
 from tests.multiproc import counts_per_step, ds_config, max_abs_diff, run_against_cpu, run_training
 
 TOLERANCE = {False: 1e-4, True: 2e-2}
@@ -60,14 +60,13 @@ def _select_sizes(hlo_dir) -> list:
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_step_graph_does_not_copy_gradients_into_flat_buckets(tmp_path, stage, bf16):
+def test_step_graph_does_not_copy_gradients_into_flat_buckets(tmp_path, train_module, stage, bf16):
     """torch_xla lowers a copy into a slice of a flat buffer as a select over the whole buffer, so copying
     each gradient into a flat bucket costs (parameters x bucket) element operations a step."""
-    from deepspeed_xla.bench import _load_train_module
     hlo = tmp_path / "hlo"
     run_training(tmp_path, "xla", ds_config(stage, bf16=bf16), steps=2,
                  extra_env={"XLA_FLAGS": f"{FAST_COMPILE['XLA_FLAGS']} --xla_dump_to={hlo} --xla_dump_hlo_as_text"})
-    model = _load_train_module(str(REPO / "scripts" / "train.py")).TinyGPT(64, 32, 2, seq=16)  # train.py's defaults
+    model = train_module.TinyGPT(64, 32, 2, seq=16)  # train.py's defaults
     largest = max(p.numel() for p in model.parameters())
     # Left: step_guard's torch.where over the flat fp32 parameters and Adam's two moments. With
     # contiguous_gradients on, the bucket and partition copies add two per parameter (63 for these 30).
