@@ -102,6 +102,62 @@ def _engine_configure_zero_optimizer(original):
     return configure
 
 
+def _stage3_partition_grads(original):
+    """ZeRO-3: write a bucket's gradient partitions into the flat gradient buffer with one update.
+
+    Upstream copies each partition into its slice of ``grad_partitions_flat_buffer``. torch_xla
+    lowers every copy into a slice as a select over the whole buffer (pytorch/xla#4791), so a step
+    did (parameters x buffer) element operations, like ``contiguous_gradients`` in ZeRO-1/2. Here
+    the new buffer is concatenated from the partitions and the untouched spans and copied in once;
+    the per-parameter views DeepSpeed reads afterwards see the same values. Offloaded gradients
+    live in host memory and keep the upstream path.
+    """
+
+    @functools.wraps(original)
+    def partition_grads(self, params_to_release, grad_partitions):
+        flat = self.grad_partitions_flat_buffer
+        if self.offload_optimizer or flat.device.type != "xla":
+            return original(self, params_to_release, grad_partitions)
+        import torch
+        offsets = _flat_offsets(self)
+        views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        spans, buffers = [], []
+        for param, grad_partition in zip(params_to_release, grad_partitions):
+            if param.partition_numel() * self._get_param_partition_rank(param) >= param.ds_numel:
+                param.grad = None  # this rank's partition of the parameter is padding only
+                continue
+            self._offload_boundary_param_ids.add(param.ds_id)
+            numel = grad_partition.numel()
+            grad = grad_partition.to(flat.dtype).reshape(-1)
+            if self.micro_step_id != 0:
+                grad = flat.narrow(0, offsets[param.ds_id], numel) + grad
+            spans.append((offsets[param.ds_id], numel, grad))
+            buffers.append(views[param.ds_id].narrow(0, 0, numel))
+            param.grad = None
+        pieces, end = [], 0
+        for offset, numel, grad in sorted(spans, key=lambda span: span[0]):
+            pieces += [flat.narrow(0, end, offset - end), grad]
+            end = offset + numel
+        if pieces:
+            flat.copy_(torch.cat(pieces + [flat.narrow(0, end, flat.numel() - end)]))
+        return buffers
+
+    return partition_grads
+
+
+def _flat_offsets(optimizer) -> dict:
+    """Each parameter's offset in ZeRO-3's flat gradient buffer (laid out in ``fp16_groups`` order)."""
+    offsets = getattr(optimizer, "_xla_grad_offsets", None)
+    if offsets is None:
+        offsets, offset = {}, 0
+        for group in optimizer.fp16_groups:
+            for param in group:
+                offsets[param.ds_id] = offset
+                offset += param.partition_numel()
+        optimizer._xla_grad_offsets = offsets
+    return offsets
+
+
 def _has_inf_or_nan(original):
     """Test every element: DeepSpeed's ``isfinite(x.amax())`` trick is wrong on XLA twice over.
 
@@ -455,6 +511,8 @@ PATCHES = [
           "87c72c13927c20de"),
     Patch("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "has_overflow", _zero_has_overflow,
           "cadc27a13cb7e977"),
+    Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "partition_grads",
+          _stage3_partition_grads, "89aab0f80f1a80b3"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "skipped_steps", _engine_skipped_steps, "c4c6e01aa1fc4e7d",
           reads="_take_model_step"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_optimizer", _engine_configure_optimizer,

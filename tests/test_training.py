@@ -28,10 +28,11 @@ def test_single_process_losses_match_cpu_accelerator(tmp_path, stage, bf16):
     assert counts_per_step(xla) == {"compilations": 0, "executions": 1, "transfers_to_host": 1}
 
 
-def test_client_optimizer_accumulation_clipping_and_scheduler(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_client_optimizer_accumulation_clipping_and_scheduler(tmp_path, stage):
     """A torch optimizer built before ``initialize`` (on the CPU parameters), gradient accumulation,
     clipping and an LR schedule: the engine must move the model without orphaning the optimizer."""
-    config = ds_config(2, accumulation=2, gradient_clipping=0.5,
+    config = ds_config(stage, accumulation=2, gradient_clipping=0.5,
                        scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}})
     del config["optimizer"]
     xla, cpu = run_against_cpu(tmp_path, config, steps=8, train_args=("--client-optimizer", ))
@@ -59,15 +60,17 @@ def _select_sizes(hlo_dir) -> list:
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_step_graph_does_not_copy_gradients_into_flat_buckets(tmp_path, train_module, stage, bf16):
     """torch_xla lowers a copy into a slice of a flat buffer as a select over the whole buffer, so copying
-    each gradient into a flat bucket costs (parameters x bucket) element operations a step."""
+    each gradient into a flat bucket costs (parameters x bucket) element operations a step. ZeRO-3 also
+    copies each gradient partition into its flat gradient buffer (``patches._stage3_partition_grads``)."""
     hlo = tmp_path / "hlo"
     run_training(tmp_path, "xla", ds_config(stage, bf16=bf16), steps=2,
                  extra_env={"XLA_FLAGS": f"{FAST_COMPILE['XLA_FLAGS']} --xla_dump_to={hlo} --xla_dump_hlo_as_text"})
     model = train_module.TinyGPT(64, 32, 2, seq=16)  # train.py's defaults
     largest = max(p.numel() for p in model.parameters())
     # Left: step_guard's torch.where over the flat fp32 parameters and Adam's two moments. With
-    # contiguous_gradients on, the bucket and partition copies add two per parameter (63 for these 30).
+    # contiguous_gradients on, the bucket and partition copies add two per parameter (63 for these 30);
+    # ZeRO-3's upstream partition copies add one (33).
     assert len([n for n in _select_sizes(hlo) if n > largest]) == 3
