@@ -9,7 +9,7 @@ import hashlib
 import inspect
 import warnings
 from importlib import metadata
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Tuple
 
 WRITTEN_FOR = "0.19.8"
 
@@ -215,6 +215,80 @@ def _is_invalid_grad_norm(original):
         return False if step_guard.is_device_checked(norm) else original(norm)
 
     return is_invalid_grad_norm
+
+
+def _fp16_optimizer_step(original):
+    """bf16 without ZeRO (``FP16_Optimizer``): copy the updated fp32 master weights to the bf16 ones at once.
+
+    Upstream copies them parameter by parameter, and each parameter is a view of the flat bf16 buffer:
+    torch_xla lowers each copy as a select over the whole buffer (as ``_stage3_partition_grads``).
+    Copied whole afterwards, the flat buffer no longer depends on those copies, so they drop out of
+    the graph; the parameters, still its views, read the same values.
+    """
+
+    @functools.wraps(original)
+    def step(self, closure=None):
+        overflow = original(self, closure)
+        if not overflow and not self.fused_adam_legacy:  # upstream's per-parameter copies ran
+            for low_precision, master in zip(self.fp16_groups_flat, self.fp32_groups_flat):
+                if low_precision.device.type == "xla":
+                    low_precision.copy_(master)
+        return overflow
+
+    return step
+
+
+def _bf16_optimizer_update_hp_grads(original):
+    """``BF16_Optimizer`` (bf16 pipelines; bf16 ZeRO-1 with fp32 gradient accumulation): add each group's
+    gradients to its flat fp32 gradient buffer with one addition.
+
+    Upstream (``_update_hp_grad``) adds each parameter's gradient to its view of the buffer, after every
+    backward: one select over the whole buffer per parameter on XLA (as ``_stage3_partition_grads``).
+    """
+
+    @functools.wraps(original)
+    def update_hp_grads(self, clear_lp_grads=False):
+        flats = self.fp32_groups_gradients_flat
+        if self.immediate_grad_update or self.autoep_folding_tp_group is not None or not flats \
+                or flats[0].device.type != "xla":
+            return original(self, clear_lp_grads)
+        import torch
+        with torch.no_grad():
+            for i, group in enumerate(self.bf16_groups):
+                flat, hp_grads = flats[i], self.fp32_groups_gradients[i]
+                grads = [lp.grad for lp in group]
+                if all(grad is None for grad in grads):
+                    continue
+                pieces = [flat.new_zeros(hp.numel()) if grad is None else grad.to(flat.dtype).reshape(-1)
+                          for grad, hp in zip(grads, hp_grads)]
+                padding = flat.numel() - sum(hp.numel() for hp in hp_grads)
+                flat.add_(torch.cat(pieces + [flat.new_zeros(padding)]))
+                for j, (lp, grad) in enumerate(zip(group, grads)):
+                    if grad is not None:
+                        lp._hp_grad = hp_grads[j]
+                        self.fp32_groups_has_gradients[i][j] = True
+                        if clear_lp_grads:
+                            grad.zero_()
+
+    return update_hp_grads
+
+
+def _bf16_optimizer_grads_for_clipping(original):
+    """``BF16_Optimizer``: clip the flat fp32 gradient buffers rather than each parameter's view of them.
+
+    Scaling a view in place is a select over the whole buffer on XLA. The buffers hold only those
+    gradients, alignment padding and the zeros of parameters without a gradient since the last step
+    (``clear_hp_grads`` zeroes them every step), so scaling them whole clips the same values.
+    """
+
+    @functools.wraps(original)
+    def get_grads_for_norm(self, for_clipping=False):
+        flats = self.fp32_groups_gradients_flat
+        if for_clipping and flats and flats[0].device.type == "xla":
+            return list(flats)
+        return original(self, for_clipping)
+
+    return get_grads_for_norm
 
 
 def _zero_has_overflow(original):
@@ -486,8 +560,9 @@ class Patch(NamedTuple):
     wrapper: Callable
     #: sha256 prefix of the upstream source the wrapper was written against.
     digest: str
-    #: For a data attribute: the function whose use of it the patch relies on (digest is of its source).
-    reads: str = ""
+    #: The functions of ``owner`` the patch relies on, when not (only) ``attr``: for a data attribute, the
+    #: function using it; for a wrapper that re-implements a callee, both. The digest is of their sources.
+    reads: Tuple[str, ...] = ()
 
 
 # DeepSpeed imports has_inf_or_nan by name, so every importing module's binding is patched.
@@ -507,6 +582,11 @@ PATCHES = [
     Patch(_FP16_OPTIMIZER, "", "CheckOverflow", _fp16_optimizer_overflow_checker, "ad6225ec62eec6f0"),
     Patch(_FP16_OPTIMIZER, "", "get_flattened_grad_norm", _get_flattened_grad_norm, "0ac9d7bf88d477dc"),
     Patch(_FP16_OPTIMIZER, "", "get_global_norm", _get_global_norm, "2279a25f9445daa5"),
+    Patch("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "update_hp_grads", _bf16_optimizer_update_hp_grads,
+          "2ee144b4467ff74d", reads=("update_hp_grads", "_update_hp_grad")),
+    Patch("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "get_grads_for_norm",
+          _bf16_optimizer_grads_for_clipping, "f50a60eac0fc1b77", reads=("get_grads_for_norm", "step", "clear_hp_grads")),
+    Patch(_FP16_OPTIMIZER, "FP16_Optimizer", "step", _fp16_optimizer_step, "b6f68ab9785efd33"),
     Patch(_FP16_OPTIMIZER, "FP16_Optimizer", "unscale_and_clip_grads", _fp16_optimizer_unscale_and_clip_grads,
           "87c72c13927c20de"),
     Patch("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "has_overflow", _zero_has_overflow,
@@ -514,7 +594,7 @@ PATCHES = [
     Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "partition_grads",
           _stage3_partition_grads, "89aab0f80f1a80b3"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "skipped_steps", _engine_skipped_steps, "c4c6e01aa1fc4e7d",
-          reads="_take_model_step"),
+          reads=("_take_model_step", )),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_optimizer", _engine_configure_optimizer,
           "dd82a70f2f92fe12"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_distributed_model",
@@ -533,16 +613,16 @@ PATCHES = [
     Patch("deepspeed.runtime.config", "DeepSpeedConfig", "_configure_train_batch_size",
           _config_configure_train_batch_size, "5d0a45deff9d4487"),
     Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_PATHS", _runner_env_paths, "d40ac82930b5b28f",
-          reads="main"),
+          reads=("main", )),
     Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_NAME", _runner_env_name, "d40ac82930b5b28f",
-          reads="main"),
+          reads=("main", )),
 ]
 
 PATCHED_MODULES = sorted({p.module for p in PATCHES})
 
 
-def source_digest(func) -> str:
-    return hashlib.sha256(inspect.getsource(func).encode()).hexdigest()[:16]
+def source_digest(*funcs) -> str:
+    return hashlib.sha256("".join(inspect.getsource(func) for func in funcs).encode()).hexdigest()[:16]
 
 
 def _xla_is_active() -> bool:
@@ -574,7 +654,8 @@ def _owner(patch: Patch):
 
 def upstream_digest(patch: Patch) -> str:
     """Digest of the upstream code the patch depends on, whether or not the patch is applied."""
-    return source_digest(inspect.unwrap(getattr(_owner(patch), patch.reads or patch.attr)))
+    owner = _owner(patch)
+    return source_digest(*(inspect.unwrap(getattr(owner, name)) for name in patch.reads or (patch.attr, )))
 
 
 def is_applied(patch: Patch) -> bool:

@@ -12,6 +12,8 @@ from tests.conftest import FAST_COMPILE
 from tests.multiproc import counts_per_step, ds_config, max_abs_diff, run_against_cpu, run_training
 
 TOLERANCE = {False: 1e-4, True: 2e-2}
+# bf16 ZeRO-1 accumulating gradients in fp32 runs DeepSpeed's BF16_Optimizer (as bf16 pipelines do).
+BF16_OPTIMIZER = {"data_types": {"grad_accum_dtype": "fp32"}}
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -40,6 +42,15 @@ def test_client_optimizer_accumulation_clipping_and_scheduler(tmp_path, stage):
     assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[False]
 
 
+def test_bf16_optimizer_accumulation_and_clipping_match_cpu_accelerator(tmp_path):
+    config = ds_config(1, bf16=True, accumulation=2, gradient_clipping=0.5, **BF16_OPTIMIZER)
+    xla, cpu = run_against_cpu(tmp_path, config, steps=8)
+    assert xla["losses"][-1] < xla["losses"][0]
+    assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[True]
+    # train.py reads each micro-batch's loss: one execution and one transfer each, nothing else.
+    assert counts_per_step(xla) == {"compilations": 0, "executions": 2, "transfers_to_host": 2}
+
+
 @pytest.mark.parametrize("stage,bf16", [(1, False), (3, False), (0, True)], ids=["zero1", "zero3", "bf16-zero0"])
 def test_step_with_invalid_gradients_is_skipped_as_on_cpu(tmp_path, stage, bf16):
     """NaN gradients at step 3: DeepSpeed skips the step on the host (CPU), deepspeed_xla on the device.
@@ -59,18 +70,23 @@ def _select_sizes(hlo_dir) -> list:
     return [math.prod(int(d) for d in dims.split(",") if d) for dims in shapes]
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_step_graph_does_not_copy_gradients_into_flat_buckets(tmp_path, train_module, stage, bf16):
-    """torch_xla lowers a copy into a slice of a flat buffer as a select over the whole buffer, so copying
-    each gradient into a flat bucket costs (parameters x bucket) element operations a step. ZeRO-3 also
-    copies each gradient partition into its flat gradient buffer (``patches._stage3_partition_grads``)."""
+@pytest.mark.parametrize("stage,bf16,extra", [(stage, bf16, {}) for stage in range(4) for bf16 in (False, True)]
+                         + [(1, True, BF16_OPTIMIZER)],
+                         ids=[f"{stage}-{dtype}" for stage in range(4) for dtype in ("fp32", "bf16")]
+                         + ["1-bf16-optimizer"])
+def test_step_graph_does_not_copy_into_slices_of_flat_buffers(tmp_path, train_module, stage, bf16, extra):
+    """torch_xla lowers a copy into a slice of a flat buffer as a select over the whole buffer, so
+    copying each parameter's tensor into a flat buffer costs (parameters x buffer) element operations
+    a step. Upstream does it with each gradient in ZeRO-1/2 (``contiguous_gradients``), ZeRO-3
+    (``partition_grads``) and ``BF16_Optimizer`` (``update_hp_grads``), and with each updated weight
+    in bf16 without ZeRO (``FP16_Optimizer.step``)."""
     hlo = tmp_path / "hlo"
-    run_training(tmp_path, "xla", ds_config(stage, bf16=bf16), steps=2,
+    run_training(tmp_path, "xla", ds_config(stage, bf16=bf16, **extra), steps=2,
                  extra_env={"XLA_FLAGS": f"{FAST_COMPILE['XLA_FLAGS']} --xla_dump_to={hlo} --xla_dump_hlo_as_text"})
     model = train_module.TinyGPT(64, 32, 2, seq=16)  # train.py's defaults
     largest = max(p.numel() for p in model.parameters())
-    # Left: step_guard's torch.where over the flat fp32 parameters and Adam's two moments. With
-    # contiguous_gradients on, the bucket and partition copies add two per parameter (63 for these 30);
-    # ZeRO-3's upstream partition copies add one (33).
-    assert len([n for n in _select_sizes(hlo) if n > largest]) == 3
+    # Left: step_guard's torch.where over the flat fp32 parameters and Adam's two moments (fp32
+    # without ZeRO keeps no flat buffer). Each of the upstream copies would add one per parameter
+    # (33 for these 30; 63 in ZeRO-1/2, which copy each gradient twice).
+    flat_buffers = 0 if stage == 0 and not bf16 else 3
+    assert len([n for n in _select_sizes(hlo) if n > largest]) == flat_buffers
