@@ -2,8 +2,12 @@
 
 ``deepspeed.ops.adam.FusedAdam`` (the default for ``"type": "Adam"/"AdamW"``) calls
 ``multi_tensor_applier(op.multi_tensor_adam, noop_flag, [g, p, m, v], lr, beta1, beta2, eps, step,
-adam_w_mode, bias_correction, weight_decay)``. Scalars stay Python numbers: torch_xla passes them
-as graph parameters, so a changing step count does not recompile.
+adam_w_mode, bias_correction, weight_decay)``.
+
+Tracing, not the device, bounds a small model's step, so the update is built from out-of-place
+foreach ops and written back with one copy per list: torch_xla traces an in-place foreach op several
+times slower than an out-of-place one, and ``addcmul_`` slower still (5.7 ms against 0.1 ms for 30
+tensors on 2 CPU cores).
 """
 import math
 
@@ -20,22 +24,26 @@ class XlaFusedAdam:
         grads, params, exp_avgs, exp_avg_sqs = tensor_lists
         if not params:
             return
-        if weight_decay != 0 and not adam_w_mode:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         bias1 = 1 - beta1**step if bias_correction else 1.0
         bias2 = 1 - beta2**step if bias_correction else 1.0
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, math.sqrt(bias2))
-        torch._foreach_add_(denom, eps)
-        updates = torch._foreach_div(exp_avgs, denom)
-        torch._foreach_div_(updates, bias1)
+        # What changes from step to step enters the graph as data. torch_xla bakes the Python scalars
+        # 0 and 1 into the graph as constants, so a bias correction reaching exactly 1.0 (step ~370
+        # with beta1 0.9, ~37k with beta2 0.999) or a learning rate scheduled from or to 0 would each
+        # compile a new graph.
+        lr, bias1, bias2_sqrt = torch.tensor([lr, bias1, math.sqrt(bias2)], dtype=torch.float32,
+                                             device=params[0].device).unbind()
+        if weight_decay != 0 and not adam_w_mode:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+        avgs = torch._foreach_add(torch._foreach_mul(exp_avgs, beta1), torch._foreach_mul(grads, 1 - beta1))
+        squares = torch._foreach_mul(torch._foreach_mul(grads, grads), 1 - beta2)
+        avg_sqs = torch._foreach_add(torch._foreach_mul(exp_avg_sqs, beta2), squares)
+        denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(avg_sqs), bias2_sqrt), eps)
+        updates = torch._foreach_div(torch._foreach_div(avgs, bias1), denom)
         if weight_decay != 0 and adam_w_mode:
-            torch._foreach_add_(updates, params, alpha=weight_decay)
-        torch._foreach_add_(params, updates, alpha=-lr)
+            updates = torch._foreach_add(updates, torch._foreach_mul(params, weight_decay))
+        stepped = torch._foreach_sub(params, torch._foreach_mul(updates, lr))
+        for old, new in ((exp_avgs, avgs), (exp_avg_sqs, avg_sqs), (params, stepped)):
+            torch._foreach_copy_(old, new)
 
 
 class FusedAdamBuilder(PythonOpBuilder):
