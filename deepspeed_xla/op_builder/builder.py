@@ -1,5 +1,18 @@
 """Base for builders whose ``load()`` returns a Python object instead of a compiled extension."""
+from typing import Tuple
+
+import torch
 from deepspeed.ops.op_builder.builder import OpBuilder
+
+
+def step_scalars(device: torch.device, *values: float) -> Tuple[torch.Tensor, ...]:
+    """An optimizer's per-step numbers (learning rate, bias corrections) as 0-d float32 tensors on ``device``.
+
+    torch_xla bakes the Python scalars 0 and 1 into the graph as constants, other values enter as
+    data. Passed as numbers, a bias correction reaching exactly 1.0 (step ~370 with beta1 0.9, ~37k
+    with beta2 0.999) or a learning rate scheduled from or to 0 would each compile a new graph.
+    """
+    return torch.tensor(values, dtype=torch.float32, device=device).unbind()
 
 
 class PythonOpBuilder(OpBuilder):

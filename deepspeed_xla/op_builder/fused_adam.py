@@ -2,7 +2,8 @@
 
 ``deepspeed.ops.adam.FusedAdam`` (the default for ``"type": "Adam"/"AdamW"``) calls
 ``multi_tensor_applier(op.multi_tensor_adam, noop_flag, [g, p, m, v], lr, beta1, beta2, eps, step,
-adam_w_mode, bias_correction, weight_decay)``.
+adam_w_mode, bias_correction, weight_decay)``. The per-step numbers enter the graph as data
+(``step_scalars``), so later steps compile nothing new.
 
 Tracing, not the device, bounds a small model's step, so the update is built from out-of-place
 foreach ops and written back with one copy per list: torch_xla traces an in-place foreach op several
@@ -13,7 +14,7 @@ import math
 
 import torch
 
-from deepspeed_xla.op_builder.builder import PythonOpBuilder
+from deepspeed_xla.op_builder.builder import PythonOpBuilder, step_scalars
 
 
 class XlaFusedAdam:
@@ -26,12 +27,7 @@ class XlaFusedAdam:
             return
         bias1 = 1 - beta1**step if bias_correction else 1.0
         bias2 = 1 - beta2**step if bias_correction else 1.0
-        # What changes from step to step enters the graph as data. torch_xla bakes the Python scalars
-        # 0 and 1 into the graph as constants, so a bias correction reaching exactly 1.0 (step ~370
-        # with beta1 0.9, ~37k with beta2 0.999) or a learning rate scheduled from or to 0 would each
-        # compile a new graph.
-        lr, bias1, bias2_sqrt = torch.tensor([lr, bias1, math.sqrt(bias2)], dtype=torch.float32,
-                                             device=params[0].device).unbind()
+        lr, bias1, bias2_sqrt = step_scalars(params[0].device, lr, bias1, math.sqrt(bias2))
         if weight_decay != 0 and not adam_w_mode:
             grads = torch._foreach_add(grads, params, alpha=weight_decay)
         avgs = torch._foreach_add(torch._foreach_mul(exp_avgs, beta1), torch._foreach_mul(grads, 1 - beta1))

@@ -1,10 +1,11 @@
 """FusedLamb for XLA: ``deepspeed.ops.lamb.FusedLamb``'s per-tensor ``lamb`` op in torch ops.
 
-The trust ratio stays a device tensor (``torch.where``, no ``.item()``), so a step is one graph.
+The trust ratio stays a device tensor (``torch.where``, no ``.item()``), so a step is one graph; the
+per-step numbers enter it as data (``step_scalars``), so later steps compile nothing new.
 """
 import torch
 
-from deepspeed_xla.op_builder.builder import PythonOpBuilder
+from deepspeed_xla.op_builder.builder import PythonOpBuilder, step_scalars
 
 
 class XlaFusedLamb:
@@ -15,10 +16,10 @@ class XlaFusedLamb:
         grad = grad.float() / grad_scale
         exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        m, v = exp_avg, exp_avg_sq
-        if bias_correction:
-            m = m / (1 - beta1**step)
-            v = v / (1 - beta2**step)
+        bias1 = 1 - beta1**step if bias_correction else 1.0
+        bias2 = 1 - beta2**step if bias_correction else 1.0
+        lr, bias1, bias2 = step_scalars(param.device, lr, bias1, bias2)
+        m, v = exp_avg / bias1, exp_avg_sq / bias2
         denom = (v + eps).sqrt() if eps_mode == 0 else v.sqrt() + eps
         update = m / denom
         if weight_decay != 0:

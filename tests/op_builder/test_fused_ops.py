@@ -31,13 +31,15 @@ def test_fused_adam_matches_torch_optimizer(adam_w_mode, torch_cls):
         torch.testing.assert_close(mine.detach().cpu(), theirs.detach(), atol=1e-6, rtol=1e-5)
 
 
-def test_fused_adam_compiles_one_step_graph_for_every_step_and_learning_rate(xla_device):
+@pytest.mark.parametrize("optimizer", ["FusedAdam", "FusedLamb"])
+def test_one_step_graph_for_every_step_and_learning_rate(xla_device, optimizer):
     """torch_xla bakes the Python scalars 0 and 1 into a graph: the bias corrections become exactly 1.0
     late in training (step ~370 for beta1 0.9, ~37k for beta2 0.999) and schedules pass through lr 0."""
     import torch_xla
+    from deepspeed.ops.lamb import FusedLamb
     from deepspeed_xla import xla_runtime
     params = _params(xla_device)
-    opt = FusedAdam(params, lr=0.01, weight_decay=0.1)
+    opt = {"FusedAdam": FusedAdam, "FusedLamb": FusedLamb}[optimizer](params, lr=0.01, weight_decay=0.1)
     compilations = []
     for step, lr in ((1, 0.01), (2, 0.01), (3, 0.0), (400, 0.01), (40000, 0.01)):
         for p in params:
