@@ -83,8 +83,8 @@ def _engine_configure_zero_optimizer(original):
     slice of a flat bucket to spare CUDA's allocator fragmentation. torch_xla lowers each such copy
     as a select over the whole bucket, so a step does work of (parameters x bucket) elements: on a
     6M-parameter, 100-tensor model ZeRO-1 ran 4.1x and ZeRO-2 39x the floor's step time, against
-    1.2x and 1.0x with the option off (docs/performance.md). Off, ZeRO concatenates the gradients once (same values). MoE layers need
-    it on in ZeRO-2, so they keep DeepSpeed's default.
+    1.2x and 1.0x with the option off (docs/performance.md). Off, ZeRO concatenates the gradients
+    once (same values). MoE layers need it on in ZeRO-2, so they keep DeepSpeed's default.
     """
 
     @functools.wraps(original)
@@ -110,7 +110,8 @@ def _stage3_partition_grads(original):
     did (parameters x buffer) element operations, like ``contiguous_gradients`` in ZeRO-1/2. Here
     the new buffer is concatenated from the partitions and the untouched spans and copied in once;
     the per-parameter views DeepSpeed reads afterwards see the same values. Offloaded gradients
-    live in host memory and keep the upstream path.
+    live in host memory and keep the upstream path. Relies on the buffer's layout, which ``__init__``
+    builds in ``fp16_groups`` order (``_flat_offsets``).
     """
 
     @functools.wraps(original)
@@ -583,16 +584,18 @@ PATCHES = [
     Patch(_FP16_OPTIMIZER, "", "get_flattened_grad_norm", _get_flattened_grad_norm, "0ac9d7bf88d477dc"),
     Patch(_FP16_OPTIMIZER, "", "get_global_norm", _get_global_norm, "2279a25f9445daa5"),
     Patch("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "update_hp_grads", _bf16_optimizer_update_hp_grads,
-          "2ee144b4467ff74d", reads=("update_hp_grads", "_update_hp_grad")),
+          "2e3323daf69099fd", reads=("update_hp_grads", "_update_hp_grad", "_setup_for_real_optimizer")),
     Patch("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "get_grads_for_norm",
-          _bf16_optimizer_grads_for_clipping, "f50a60eac0fc1b77", reads=("get_grads_for_norm", "step", "clear_hp_grads")),
-    Patch(_FP16_OPTIMIZER, "FP16_Optimizer", "step", _fp16_optimizer_step, "b6f68ab9785efd33"),
+          _bf16_optimizer_grads_for_clipping, "f50a60eac0fc1b77",
+          reads=("get_grads_for_norm", "step", "clear_hp_grads")),
+    Patch(_FP16_OPTIMIZER, "FP16_Optimizer", "step", _fp16_optimizer_step, "d3311d0b03f4d4db",
+          reads=("step", "__init__")),
     Patch(_FP16_OPTIMIZER, "FP16_Optimizer", "unscale_and_clip_grads", _fp16_optimizer_unscale_and_clip_grads,
           "87c72c13927c20de"),
     Patch("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "has_overflow", _zero_has_overflow,
           "cadc27a13cb7e977"),
     Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "partition_grads",
-          _stage3_partition_grads, "89aab0f80f1a80b3"),
+          _stage3_partition_grads, "737384307101960d", reads=("partition_grads", "__init__")),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "skipped_steps", _engine_skipped_steps, "c4c6e01aa1fc4e7d",
           reads=("_take_model_step", )),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_optimizer", _engine_configure_optimizer,

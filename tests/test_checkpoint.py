@@ -3,7 +3,7 @@ survives a rank dying mid-save.
 
 Each resume test is two 2-rank runs through the ``deepspeed`` CLI: 20 steps saving at step 10, then a
 fresh job that loads that checkpoint, trains steps 10-19 and saves at step 20. The second job must
-repeat the first one's losses and weights exactly (fp32: the same XLA graphs on the same values).
+repeat the first one's losses and weights exactly (the same XLA graphs on the same values).
 """
 import json
 import shutil
@@ -26,6 +26,7 @@ CONFIGS = {
     "zero2": (ds_config(2), ()),
     "zero3": (ds_config(3), ()),
     "pipe2": (ds_config(0, micro_batch=2, accumulation=4), PIPELINE),
+    "bf16-zero0": (ds_config(0, bf16=True), ()),  # DeepSpeed's FP16_Optimizer, patched on XLA
 }
 
 # Run where torch_xla cannot be imported: every tensor in every checkpoint file must load as it was
