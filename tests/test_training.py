@@ -70,10 +70,10 @@ def _select_sizes(hlo_dir) -> list:
     return [math.prod(int(d) for d in dims.split(",") if d) for dims in shapes]
 
 
-@pytest.mark.parametrize("stage,bf16,extra", [(stage, bf16, {}) for stage in range(4) for bf16 in (False, True)]
-                         + [(1, True, BF16_OPTIMIZER)],
-                         ids=[f"{stage}-{dtype}" for stage in range(4) for dtype in ("fp32", "bf16")]
-                         + ["1-bf16-optimizer"])
+@pytest.mark.parametrize("stage,bf16,extra",
+                         [pytest.param(stage, bf16, {}, id=f"{stage}-{'bf16' if bf16 else 'fp32'}")
+                          for stage in range(4) for bf16 in (False, True)]
+                         + [pytest.param(1, True, BF16_OPTIMIZER, id="1-bf16-optimizer")])
 def test_step_graph_does_not_copy_into_slices_of_flat_buffers(tmp_path, train_module, stage, bf16, extra):
     """torch_xla lowers a copy into a slice of a flat buffer as a select over the whole buffer, so
     copying each parameter's tensor into a flat buffer costs (parameters x buffer) element operations
