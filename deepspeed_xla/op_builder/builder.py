@@ -1,4 +1,5 @@
 """Base for builders whose ``load()`` returns a Python object instead of a compiled extension."""
+import functools
 from typing import Tuple
 
 import torch
@@ -12,7 +13,15 @@ def step_scalars(device: torch.device, *values: float) -> Tuple[torch.Tensor, ..
     data. Passed as numbers, a bias correction reaching exactly 1.0 (step ~370 with beta1 0.9, ~37k
     with beta2 0.999) or a learning rate scheduled from or to 0 would each compile a new graph.
     """
-    return torch.tensor(values, dtype=torch.float32, device=device).unbind()
+    return _on_device(device, values).unbind()
+
+
+@functools.lru_cache(maxsize=8)
+def _on_device(device: torch.device, values: Tuple[float, ...]) -> torch.Tensor:
+    """One host->device copy per step for an op called once per tensor (FusedLamb). The cached tensor
+    is device data that nothing writes; its 0-d views are made per call, since a view that outlives a
+    sync becomes device data itself and the next graph that reads it would differ."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 class PythonOpBuilder(OpBuilder):

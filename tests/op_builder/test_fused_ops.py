@@ -34,23 +34,29 @@ def test_fused_adam_matches_torch_optimizer(adam_w_mode, torch_cls):
 @pytest.mark.parametrize("optimizer", ["FusedAdam", "FusedLamb"])
 def test_one_step_graph_for_every_step_and_learning_rate(xla_device, optimizer):
     """torch_xla bakes the Python scalars 0 and 1 into a graph: the bias corrections become exactly 1.0
-    late in training (step ~370 for beta1 0.9, ~37k for beta2 0.999) and schedules pass through lr 0."""
+    late in training (step ~370 for beta1 0.9, ~37k for beta2 0.999) and schedules pass through lr 0.
+    The step's numbers reach the device in one copy, also for FusedLamb's op called once per tensor."""
     import torch_xla
+    import torch_xla.debug.metrics as met
     from deepspeed.ops.lamb import FusedLamb
     from deepspeed_xla import xla_runtime
     params = _params(xla_device)
     opt = {"FusedAdam": FusedAdam, "FusedLamb": FusedLamb}[optimizer](params, lr=0.01, weight_decay=0.1)
-    compilations = []
+    compilations, copies_to_device = [], []
     for step, lr in ((1, 0.01), (2, 0.01), (3, 0.0), (400, 0.01), (40000, 0.01)):
         for p in params:
             p.grad = torch.ones_like(p)
             if opt.state[p]:
                 opt.state[p]["step"] = step - 1
         opt.param_groups[0]["lr"] = lr
+        torch_xla.sync()
+        before = met.metric_data("TransferToDeviceTime")[0]
         opt.step()
         torch_xla.sync()
+        copies_to_device.append(met.metric_data("TransferToDeviceTime")[0] - before)
         compilations.append(xla_runtime.graph_counters()["compilations"])
     assert compilations[2:] == compilations[1:2] * 3  # the first step also creates the state
+    assert max(copies_to_device[1:]) <= 1  # 0 when the same numbers were copied before (cached)
 
 
 def test_fused_lamb_trains_on_xla():
