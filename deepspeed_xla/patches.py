@@ -523,6 +523,25 @@ def _config_configure_train_batch_size(original):
     return configure_train_batch_size
 
 
+def _config_timers_without_device_wait(original):
+    """The throughput timer waits for the device only if the config asks (``timers.throughput.synchronized``).
+
+    DeepSpeed's default waits at the start and the end of every step, for exact step times on CUDA. On XLA
+    the wait stops the host from tracing the next step while the device runs this one, the overlap lazy
+    execution lives on; memory stays bounded without it, since torch_xla's next ``sync()`` waits for the
+    previous execution. Unwaited, the timer reports the host's pace, which is the device's once steady.
+    """
+
+    @functools.wraps(original)
+    def get_timers_config(param_dict):
+        config = original(param_dict)
+        if "synchronized" not in config.model_fields_set:
+            config.synchronized = False
+        return config
+
+    return get_timers_config
+
+
 _ENV_FILE_NAME = ".deepspeed_env"
 
 
@@ -615,6 +634,8 @@ PATCHES = [
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "load_checkpoint", _engine_sync_after, "5728d3dfa42a3d6c"),
     Patch("deepspeed.runtime.config", "DeepSpeedConfig", "_configure_train_batch_size",
           _config_configure_train_batch_size, "5d0a45deff9d4487"),
+    Patch("deepspeed.runtime.config", "", "get_timers_config", _config_timers_without_device_wait,
+          "f497cad4ad72df4f"),
     Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_PATHS", _runner_env_paths, "d40ac82930b5b28f",
           reads=("main", )),
     Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_NAME", _runner_env_name, "d40ac82930b5b28f",
