@@ -21,7 +21,8 @@ WORLD = 2
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 SHAPES = ((7,), (3, 5))
 SUM, MAX, AVG = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG
-REDUCE = {"SUM": (SUM, lambda t: t.sum(0)), "MAX": (MAX, lambda t: t.amax(0)), "AVG": (AVG, lambda t: t.mean(0))}
+REDUCE = {"SUM": (SUM, lambda t: t.sum(0)), "MAX": (MAX, lambda t: t.amax(0)), "AVG": (AVG, lambda t: t.mean(0)),
+          "MIN": (dist.ReduceOp.MIN, lambda t: t.amin(0)), "PRODUCT": (dist.ReduceOp.PRODUCT, lambda t: t.prod(0))}
 
 CHECKS = []
 
@@ -263,6 +264,30 @@ def send_recv(rank):
         received = stale((7,), torch.int64)
         assert dist.recv(received) == 0, "recv from any source did not name rank 0"
         expect("recv from any source", received, values(0, (7,), torch.int64))
+
+
+@check
+def all_reduce_beside_a_send_in_flight(rank):
+    """Two ranks all-reduce by swapping operands (``_pairwise``): under a tag of its own, so a send still in
+    flight is not taken for the peer's operand, and without a host copy of the operand."""
+    copies = []
+    writable = host_staged._writable
+    host_staged._writable = lambda staged: copies.append(staged) or writable(staged)
+    try:
+        sent = dist.isend(xla(values(0, (3, 5))), dst=1) if rank == 0 else None
+        tensor = xla(values(rank, (7,)))
+        dist.all_reduce(tensor)
+        expect("all_reduce beside a send", tensor, reduced("SUM", (7,), torch.float32))
+        if sent:
+            sent.wait()
+        else:
+            received = stale((3, 5))
+            dist.recv(received, src=0)
+            expect("recv after the all_reduce", received, values(0, (3, 5)))
+    finally:
+        host_staged._writable = writable
+    if host_staged._zero_copy():
+        assert not copies, f"rank {rank}: the all-reduce copied its operand on the host"
 
 
 @check
