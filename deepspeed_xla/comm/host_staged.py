@@ -255,14 +255,17 @@ class HostStagedProcessGroup(ProcessGroup):
         """Start ``call(host_in, host_out)`` on gloo, ``host_in`` being ``inputs`` staged; wait writes
         ``outputs`` back.
 
-        With ``in_place``, an output that is also an input starts from its staged data; the others get
-        fresh host buffers. ``call`` returns the gloo Work, or a list of them.
+        An output that is also an input starts from its staged data with ``in_place``, else it gets a
+        host buffer of its own; pure outputs get fresh host buffers. ``call`` returns the gloo Work, or a
+        list of them.
         """
         staged = {id(t): host for t, host in zip(inputs, host_in)}
 
         def output_buffer(tensor):
-            if id(tensor) not in staged or not in_place:
+            if id(tensor) not in staged:
                 return _host_buffer(tensor)
+            if not in_place:
+                return host_buffers.empty(tensor.shape, tensor.dtype)
             return _writable(staged[id(tensor)]) if _is_xla(tensor) else staged[id(tensor)]
 
         host_out = [output_buffer(t) for t in outputs]
@@ -301,9 +304,10 @@ class HostStagedProcessGroup(ProcessGroup):
         return self._allreduce(tensors, opts.reduceOp, lambda out: [self._gloo.allreduce([t], all_opts) for t in out])
 
     def _allreduce(self, tensors, op, on_gloo: Callable) -> dist.Work:
-        """Between two ranks, swap zero-copy operands (``_pairwise``); else ``on_gloo(host buffers)``."""
+        """Between two ranks where staging is zero-copy, swap operands (``_pairwise``); else ``on_gloo(host
+        buffers)``. The choice never depends on a rank's tensors, so both ranks of a pair make the same."""
         combine = _PAIRWISE.get(op.op)
-        if self.size() == 2 and combine is not None and _zero_copy() and all(map(_is_xla, tensors)):
+        if self.size() == 2 and combine is not None and _zero_copy():
             return self._run(tensors, tensors, functools.partial(self._pairwise, combine), in_place=False)
         return self._run(tensors, tensors, lambda _, out: on_gloo(out))
 

@@ -278,6 +278,9 @@ def all_reduce_beside_a_send_in_flight(rank):
         tensor = xla(values(rank, (7,)))
         dist.all_reduce(tensor)
         expect("all_reduce beside a send", tensor, reduced("SUM", (7,), torch.float32))
+        mixed = values(rank, (3,)) if rank == 0 else xla(values(rank, (3,)))  # a CPU and an XLA operand
+        dist.all_reduce(mixed)
+        assert torch.equal(mixed.cpu(), reduced("SUM", (3,), torch.float32)), f"rank {rank}, mixed: {mixed}"
         if sent:
             sent.wait()
         else:
