@@ -16,6 +16,11 @@ def step_scalars(device: torch.device, *values: float) -> Tuple[torch.Tensor, ..
     return _on_device(device, values).unbind()
 
 
+def bias_corrections(beta1: float, beta2: float, step: int, enabled: bool) -> Tuple[float, float]:
+    """Adam's ``1 - beta**step`` for both moments (1.0 each when bias correction is off), as host numbers."""
+    return (1 - beta1**step, 1 - beta2**step) if enabled else (1.0, 1.0)
+
+
 @functools.lru_cache(maxsize=8)
 def _on_device(device: torch.device, values: Tuple[float, ...]) -> torch.Tensor:
     """One host->device copy per step for an op called once per tensor (FusedLamb). The cached tensor

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from deepspeed_xla.op_builder.builder import PythonOpBuilder, step_scalars
+from deepspeed_xla.op_builder.builder import PythonOpBuilder, bias_corrections, step_scalars
 
 
 class XlaFusedAdam:
@@ -25,8 +25,7 @@ class XlaFusedAdam:
         grads, params, exp_avgs, exp_avg_sqs = tensor_lists
         if not params:
             return
-        bias1 = 1 - beta1**step if bias_correction else 1.0
-        bias2 = 1 - beta2**step if bias_correction else 1.0
+        bias1, bias2 = bias_corrections(beta1, beta2, step, bias_correction)
         lr, bias1, bias2_sqrt = step_scalars(params[0].device, lr, bias1, math.sqrt(bias2))
         if weight_decay != 0 and not adam_w_mode:
             grads = torch._foreach_add(grads, params, alpha=weight_decay)

@@ -5,7 +5,7 @@ per-step numbers enter it as data (``step_scalars``), so later steps compile not
 """
 import torch
 
-from deepspeed_xla.op_builder.builder import PythonOpBuilder, step_scalars
+from deepspeed_xla.op_builder.builder import PythonOpBuilder, bias_corrections, step_scalars
 
 
 class XlaFusedLamb:
@@ -16,8 +16,7 @@ class XlaFusedLamb:
         grad = grad.float() / grad_scale
         exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias1 = 1 - beta1**step if bias_correction else 1.0
-        bias2 = 1 - beta2**step if bias_correction else 1.0
+        bias1, bias2 = bias_corrections(beta1, beta2, step, bias_correction)
         lr, bias1, bias2 = step_scalars(param.device, lr, bias1, bias2)
         m, v = exp_avg / bias1, exp_avg_sq / bias2
         denom = (v + eps).sqrt() if eps_mode == 0 else v.sqrt() + eps
