@@ -122,25 +122,32 @@ def _stage3_partition_grads(original):
         import torch
         offsets = _flat_offsets(self)
         views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        accumulate = self.micro_step_id != 0
         spans, buffers = [], []
         for param, grad_partition in zip(params_to_release, grad_partitions):
-            if param.partition_numel() * self._get_param_partition_rank(param) >= param.ds_numel:
-                param.grad = None  # this rank's partition of the parameter is padding only
-                continue
-            self._offload_boundary_param_ids.add(param.ds_id)
-            numel = grad_partition.numel()
-            grad = grad_partition.to(flat.dtype).reshape(-1)
-            if self.micro_step_id != 0:
-                grad = flat.narrow(0, offsets[param.ds_id], numel) + grad
-            spans.append((offsets[param.ds_id], numel, grad))
-            buffers.append(views[param.ds_id].narrow(0, 0, numel))
             param.grad = None
+            if param.partition_numel() * self._get_param_partition_rank(param) >= param.ds_numel:
+                continue  # this rank's partition of the parameter is padding only
+            self._offload_boundary_param_ids.add(param.ds_id)
+            numel, offset, view = grad_partition.numel(), offsets[param.ds_id], views[param.ds_id]
+            grad = grad_partition.to(flat.dtype)
+            if grad.dim() != 1:
+                grad = grad.reshape(-1)
+            if accumulate:
+                grad = flat.narrow(0, offset, numel) + grad
+            spans.append((offset, numel, grad))
+            buffers.append(view if view.numel() == numel else view.narrow(0, 0, numel))
+        # Tracing is the cost here (each op is host work): gaps of zero length add no piece.
         pieces, end = [], 0
         for offset, numel, grad in sorted(spans, key=lambda span: span[0]):
-            pieces += [flat.narrow(0, end, offset - end), grad]
+            if offset > end:
+                pieces.append(flat.narrow(0, end, offset - end))
+            pieces.append(grad)
             end = offset + numel
-        if pieces:
-            flat.copy_(torch.cat(pieces + [flat.narrow(0, end, flat.numel() - end)]))
+        if end < flat.numel():
+            pieces.append(flat.narrow(0, end, flat.numel() - end))
+        if spans:
+            flat.copy_(torch.cat(pieces))
         return buffers
 
     return partition_grads
