@@ -29,6 +29,8 @@ _AFTER_IMPORT = {
     "deepspeed.runtime.bf16_optimizer": _PATCHES_HOOK,
     "deepspeed.runtime.zero.stage_1_and_2": _PATCHES_HOOK,
     "deepspeed.runtime.zero.stage3": _PATCHES_HOOK,
+    "deepspeed.runtime.zero.linear": _PATCHES_HOOK,
+    "deepspeed.runtime.zero.parameter_offload": _PATCHES_HOOK,
     "deepspeed.runtime.fp16.loss_scaler": _PATCHES_HOOK,
     "deepspeed.runtime.fp16.fused_optimizer": _PATCHES_HOOK,
     "deepspeed.launcher.runner": _PATCHES_HOOK,

@@ -166,6 +166,108 @@ def _flat_offsets(optimizer) -> dict:
     return offsets
 
 
+def _stage3_fp32_grad_from_flat_buffer(original):
+    """ZeRO-3: hand the optimizer one copy of the sub-group's span of the flat gradient buffer.
+
+    Upstream concatenates the sub-group's gradient partitions, which are consecutive views of
+    ``grad_partitions_flat_buffer`` (``independent_gradient_partition_epilogue``): on XLA each view
+    read after the buffer's update replays its slice, and the concatenation rebuilds the same span
+    (host work per parameter, every step). Other gradient lists (frozen parameters' zeros,
+    offload) take the upstream path.
+    """
+
+    @functools.wraps(original)
+    def prepare_fp32_grad(self, sub_group_id):
+        span = _grad_buffer_span(self, sub_group_id)
+        fp32 = self.fp32_partitioned_groups_flat[sub_group_id]
+        if span is None or span.numel() != fp32.numel():
+            return original(self, sub_group_id)
+        fp32.grad = span.to(fp32.dtype, copy=True)
+        self.averaged_gradients[sub_group_id] = None
+
+    return prepare_fp32_grad
+
+
+def _grad_buffer_span(optimizer, sub_group_id):
+    """The span of ZeRO-3's flat gradient buffer whose views are the sub-group's averaged gradients, or None."""
+    flat, grads = optimizer.grad_partitions_flat_buffer, optimizer.averaged_gradients[sub_group_id]
+    params = optimizer.fp16_groups[sub_group_id]
+    if optimizer.offload_optimizer or flat.device.type != "xla" or not params or len(grads) != len(params):
+        return None
+    views = optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+    if any(grad is not views[param.ds_id] for grad, param in zip(grads, params)):
+        return None
+    return flat.narrow(0, _flat_offsets(optimizer)[params[0].ds_id], sum(grad.numel() for grad in grads))
+
+
+def _stage3_grad_norm(original):
+    """ZeRO-3's gradient norm with the per-parameter norms in one ``_foreach_norm``.
+
+    Upstream traces three ops and a view replay per parameter (host work on XLA, every step); the
+    foreach form reduces each gradient alike, so the norms are the same. Model- and expert-parallel
+    runs and other norm types take the upstream path.
+    """
+
+    @functools.wraps(original)
+    def get_grad_norm_direct(self, gradients, params, norm_type=2):
+        if float(norm_type) != 2.0 or self.model_parallel_group is not None or self.model_parallel_rank != 0 \
+                or not gradients or any(grad.device.type != "xla" for grad in gradients) \
+                or self._autoep_expert_parallel_group(params) is not None:
+            return original(self, gradients, params, norm_type)
+        import torch
+        from deepspeed import comm as dist
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+        self._assert_same_partition_group(params)
+        norms = torch._foreach_norm([grad.to(get_norm_dtype()) for grad in gradients], 2.0)
+        total = torch.sum(torch.pow(torch.stack(norms), 2.0))
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._get_param_partition_group(params[0]))
+        total = total**0.5
+        invalid = total.isnan().logical_or(total.isinf())
+        return torch.where(invalid, torch.tensor(-1.0, device=self.device, dtype=torch.float), total)
+
+    return get_grad_norm_direct
+
+
+def _positional_apply(function_class) -> classmethod:
+    """``Function.apply`` that skips binding the arguments to ``forward``'s signature when all are given.
+
+    torch binds them with ``inspect.signature`` on every call of a Function defining ``setup_context``
+    (~15 us of host time). ZeRO-3 applies such Functions around every module's inputs and outputs and
+    in every linear layer, each step; given every ``forward`` argument positionally, the binding
+    returns them unchanged. Any other call takes torch's path.
+    """
+    import torch
+    from torch._functorch.utils import unwrap_dead_wrappers
+    arity = len(inspect.signature(function_class.forward).parameters)
+    full_apply = torch.autograd.Function.apply.__func__
+
+    def apply(cls, *args, **kwargs):
+        if kwargs or len(args) != arity or torch._C._are_functorch_transforms_active():
+            return full_apply(cls, *args, **kwargs)
+        return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
+
+    return classmethod(apply)
+
+
+def _zero3_linear_apply(original):
+    return _positional_apply(original.__self__)
+
+
+def _zero3_register_module(original):
+    """ZeRO-3's per-module backward hooks: their autograd Functions (created here, one pair per module)
+    get ``_positional_apply``."""
+
+    @functools.wraps(original)
+    def register_deepspeed_module(self, module, *args, **kwargs):
+        original(self, module, *args, **kwargs)
+        for name in ("pre_bwd_fn", "post_bwd_fn"):
+            function_class = module.__dict__.get(name)
+            if function_class is not None:
+                function_class.apply = _positional_apply(function_class)
+
+    return register_deepspeed_module
+
+
 def _has_inf_or_nan(original):
     """Test every element: DeepSpeed's ``isfinite(x.amax())`` trick is wrong on XLA twice over.
 
@@ -622,6 +724,15 @@ PATCHES = [
           "cadc27a13cb7e977"),
     Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "partition_grads",
           _stage3_partition_grads, "737384307101960d", reads=("partition_grads", "__init__")),
+    Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_prepare_fp32_grad_for_sub_group",
+          _stage3_fp32_grad_from_flat_buffer, "78ffebc682040ac1",
+          reads=("_prepare_fp32_grad_for_sub_group", "independent_gradient_partition_epilogue", "__init__")),
+    Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "get_grad_norm_direct", _stage3_grad_norm,
+          "89aab0f80f1a80b3"),
+    Patch("deepspeed.runtime.zero.linear", "LinearFunctionForZeroStage3", "apply", _zero3_linear_apply, "a2d46ec1bf4107fd",
+          reads=("forward", "setup_context")),
+    Patch("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "_register_deepspeed_module",
+          _zero3_register_module, "05081f6e841fa219"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "skipped_steps", _engine_skipped_steps, "c4c6e01aa1fc4e7d",
           reads=("_take_model_step", )),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_optimizer", _engine_configure_optimizer,

@@ -3,6 +3,7 @@
 Keeping these calls together makes the import lazy everywhere else (``import torch_xla`` takes
 seconds and writes ``PJRT_DEVICE``) and leaves a single module to port to a future TPU backend.
 """
+import atexit
 import functools
 from importlib import metadata
 from typing import Optional
@@ -48,7 +49,19 @@ def torch_xla():
     import torch_xla as module
     import torch_xla.core.xla_model  # noqa: F401
     import torch_xla.runtime  # noqa: F401
+    atexit.register(_drain_before_exit)  # runs before torch_xla's own exit hook, registered at its import
     return module
+
+
+def _drain_before_exit() -> None:
+    """Let queued executions finish before torch_xla's exit hook, which waits for them holding the GIL.
+
+    An execution that consumes a buffer over host memory (``device_alias``: PJRT CPU's host-staged
+    collectives) frees it on an XLA thread, and that needs the GIL to release the host tensor: a script
+    ending right after ``engine.step()`` deadlocked at exit. ``wait_device`` waits without the GIL.
+    """
+    if is_runtime_initialized():
+        wait_device()
 
 
 def xm():
