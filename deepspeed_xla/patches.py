@@ -234,7 +234,7 @@ def _positional_apply(function_class) -> classmethod:
     torch binds them with ``inspect.signature`` on every call of a Function defining ``setup_context``
     (~15 us of host time). ZeRO-3 applies such Functions around every module's inputs and outputs and
     in every linear layer, each step; given every ``forward`` argument positionally, the binding
-    returns them unchanged. Any other call takes torch's path.
+    returns them unchanged. Any other call, and any under torch.compile, takes torch's path.
     """
     import torch
     from torch._functorch.utils import unwrap_dead_wrappers
@@ -242,7 +242,8 @@ def _positional_apply(function_class) -> classmethod:
     full_apply = torch.autograd.Function.apply.__func__
 
     def apply(cls, *args, **kwargs):
-        if kwargs or len(args) != arity or torch._C._are_functorch_transforms_active():
+        if kwargs or len(args) != arity or torch._C._are_functorch_transforms_active() \
+                or torch.compiler.is_compiling():
             return full_apply(cls, *args, **kwargs)
         return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
 

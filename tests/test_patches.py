@@ -131,6 +131,25 @@ def test_steps_wait_for_the_device_only_when_the_config_asks():
     assert counts == {"default": 0, "synchronized": 2 * 3}
 
 
+@pytest.mark.parametrize("args", ["input, weight, bias", "input, weight"])
+def test_zero3_linear_matches_f_linear(xla_device, args):
+    """ZeRO-3's memory-efficient linear with every argument given (the positional shortcut) and without the
+    bias (torch's binding fills it in), against ``F.linear`` on CPU, forward and backward."""
+    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
+    torch.manual_seed(0)
+    cpu = {"input": torch.randn(2, 3, 5), "weight": torch.randn(4, 5), "bias": torch.randn(4)}
+    names = args.split(", ")
+    results = []
+    for tensors, linear in ((cpu, torch.nn.functional.linear), ({k: v.to(xla_device) for k, v in cpu.items()},
+                                                               LinearFunctionForZeroStage3.apply)):
+        leaves = [tensors[name].clone().requires_grad_() for name in names]
+        out = linear(*leaves)
+        out.pow(2).sum().backward()
+        results.append([t.detach().cpu() for t in (out, *(leaf.grad for leaf in leaves))])
+    for expected, actual in zip(*results):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
 def zero3_step_against_upstream():
     """Run by ``run_ranks``: ZeRO-3's patched step functions next to upstream's on the same state, and the
     ``inspect.signature`` calls of steady-state steps."""
