@@ -251,6 +251,7 @@ def _positional_apply(function_class) -> classmethod:
 
 
 def _zero3_linear_apply(original):
+    """ZeRO-3's memory-efficient linear (``original`` is its bound ``apply``): ``_positional_apply``."""
     return _positional_apply(original.__self__)
 
 
@@ -730,8 +731,8 @@ PATCHES = [
           reads=("_prepare_fp32_grad_for_sub_group", "independent_gradient_partition_epilogue", "__init__")),
     Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "get_grad_norm_direct", _stage3_grad_norm,
           "89aab0f80f1a80b3"),
-    Patch("deepspeed.runtime.zero.linear", "LinearFunctionForZeroStage3", "apply", _zero3_linear_apply, "a2d46ec1bf4107fd",
-          reads=("forward", "setup_context")),
+    Patch("deepspeed.runtime.zero.linear", "LinearFunctionForZeroStage3", "apply", _zero3_linear_apply,
+          "a2d46ec1bf4107fd", reads=("forward", "setup_context")),
     Patch("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "_register_deepspeed_module",
           _zero3_register_module, "05081f6e841fa219"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "skipped_steps", _engine_skipped_steps, "c4c6e01aa1fc4e7d",
