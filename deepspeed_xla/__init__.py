@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "XLA_Accelerator": ("deepspeed_xla.accelerator", "XLA_Accelerator"),
     "register": ("deepspeed_xla.registration", "register"),
-    "setup_process": ("deepspeed_xla.topology", "setup_process"),
+    "setup_process": ("deepspeed_xla.process_setup", "setup_process"),
 }
 
 __all__ = list(_LAZY) + ["__version__"]

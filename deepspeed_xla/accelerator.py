@@ -4,7 +4,8 @@ XLA is a lazy, synchronized device to DeepSpeed: no streams or events, host time
 DeepSpeed index maps to this process's one device (``xla:0``) since each process drives one device.
 The constructor runs in the ``deepspeed`` launcher too, so it imports neither torch_xla nor heavy
 DeepSpeed modules and never starts the XLA runtime; the first device use runs
-``topology.setup_process()``.
+``process_setup.setup_process()``. The device type is decided once (``devices.current_device_type``)
+and handed down from here: to the process setup, the comm backend and the memory and dtype answers.
 """
 import functools
 import os
@@ -12,11 +13,10 @@ import os
 import torch
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 
-from deepspeed_xla import xla_runtime
-from deepspeed_xla.devices import current_device_type
-from deepspeed_xla.devices.base import int_env
-from deepspeed_xla.registration import is_launcher_process
-from deepspeed_xla.topology import check_host_launch, check_launch_env, setup_process
+from deepspeed_xla import comm, env_vars, xla_runtime
+from deepspeed_xla.devices import DeviceType, current_device_type
+from deepspeed_xla.launch_env import check_launch_env, is_launcher_process
+from deepspeed_xla.process_setup import check_host_launch, setup_process
 
 _DEVICE_INDEX = 0
 
@@ -57,6 +57,11 @@ class XLA_Accelerator(DeepSpeedAccelerator):
         self._generator = _XlaGenerator()
         self._peak_host_bytes = 0
 
+    @property
+    def device_type(self) -> DeviceType:
+        """This process's device type (``PJRT_DEVICE``): every device-type difference is asked of it."""
+        return current_device_type()
+
     # Lazy-device flags: XLA orders work itself, DeepSpeed must not build streams or events.
     def is_synchronized_device(self):
         return True
@@ -78,18 +83,18 @@ class XLA_Accelerator(DeepSpeedAccelerator):
         return self.current_device_name()
 
     def device(self, device_index=None):
-        setup_process()
+        setup_process(self.device_type)
         return xla_runtime.device(_DEVICE_INDEX)
 
     def set_device(self, device_index):
-        setup_process()
+        setup_process(self.device_type)
 
     def current_device(self):
-        setup_process()
+        setup_process(self.device_type)
         return xla_runtime.device(_DEVICE_INDEX)
 
     def current_device_name(self):
-        setup_process()  # the name is about to become a device (``.to(name)``, ``torch.empty(device=name)``)
+        setup_process(self.device_type)  # the name is about to become a device (``.to(name)``, ``torch.empty``)
         return f"xla:{_DEVICE_INDEX}"
 
     def device_count(self):
@@ -97,7 +102,7 @@ class XLA_Accelerator(DeepSpeedAccelerator):
 
         Never starts PJRT: the ``deepspeed`` runner calls this to decide how many processes to start.
         """
-        return int_env(os.environ, "LOCAL_SIZE") or current_device_type().local_device_count()
+        return env_vars.positive_int(os.environ, "LOCAL_SIZE") or self.device_type.local_device_count()
 
     def synchronize(self, device_index=None):
         if xla_runtime.is_runtime_initialized():
@@ -115,7 +120,7 @@ class XLA_Accelerator(DeepSpeedAccelerator):
 
     def manual_seed(self, seed):
         torch.manual_seed(seed)
-        setup_process()
+        setup_process(self.device_type)
         self._generator.manual_seed(seed)
 
     def manual_seed_all(self, seed):
@@ -150,7 +155,7 @@ class XLA_Accelerator(DeepSpeedAccelerator):
     def _memory(self):
         info = None
         if xla_runtime.is_runtime_initialized():
-            info = current_device_type().memory_info(self.current_device())
+            info = self.device_type.memory_info(self.current_device())
         if info is None:
             import psutil
             used = psutil.Process().memory_info().rss
@@ -209,13 +214,13 @@ class XLA_Accelerator(DeepSpeedAccelerator):
 
     # Data types
     def is_bf16_supported(self):
-        return current_device_type().is_bf16_supported()
+        return self.device_type.is_bf16_supported()
 
     def is_fp16_supported(self):
-        return current_device_type().is_fp16_supported()
+        return self.device_type.is_fp16_supported()
 
     def is_fp64_supported(self):
-        return current_device_type().is_fp64_supported()
+        return self.device_type.is_fp64_supported()
 
     def supported_dtypes(self):
         dtypes = [torch.float32]
@@ -245,7 +250,9 @@ class XLA_Accelerator(DeepSpeedAccelerator):
         """Registers the backend with torch.distributed on first use (DeepSpeed inits right after)."""
         if self._communication_backend_name is None:
             check_launch_env()
-            self._communication_backend_name = current_device_type().communication_backend()
+            device_type = self.device_type
+            self._communication_backend_name = comm.register_backend(device_type.comm_backend,
+                                                                     device_type.host_addressable)
         return self._communication_backend_name
 
     def is_triton_supported(self):
@@ -333,16 +340,16 @@ class XLA_Accelerator(DeepSpeedAccelerator):
 
     # Launcher
     def export_envs(self):
-        return current_device_type().export_env_prefixes()
+        return self.device_type.export_env_prefixes()
 
     def visible_devices_envs(self):
-        return [current_device_type().visible_devices_env]
+        return [self.device_type.visible_devices_env]
 
     def set_visible_devices_envs(self, current_env, local_accelerator_ids):
         """``launch.py`` calls this once per host, with the ids of the workers it is about to start; there it
         checks the host first (a worker's own device count says nothing about the host)."""
         if is_launcher_process():
-            check_host_launch(local_accelerator_ids)
+            check_host_launch(self.device_type, local_accelerator_ids)
         for name in self.visible_devices_envs():
             current_env[name] = ",".join(map(str, local_accelerator_ids))
 

@@ -12,7 +12,7 @@ import torch
 
 from deepspeed_xla.devices import current_device_type
 from deepspeed_xla.op_builder import create_op_builder
-from deepspeed_xla.topology import launched
+from deepspeed_xla.launch_env import launched
 
 # The DeepSpeed op each optimizer type runs on the device (without offload; torch.optim types need none).
 _DEVICE_OPTIMIZER_OPS = {"adam": "FusedAdamBuilder", "adamw": "FusedAdamBuilder", "lamb": "FusedLambBuilder",

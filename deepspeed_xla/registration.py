@@ -9,6 +9,7 @@ import sys
 import warnings
 
 from deepspeed_xla.bootstrap import ACCELERATOR_NAME
+from deepspeed_xla.launch_env import fill_single_process_env, is_deepspeed_runner, is_launcher_process
 
 
 def wants_xla() -> bool:
@@ -16,23 +17,8 @@ def wants_xla() -> bool:
     requested = os.environ.get("DS_ACCELERATOR", "").strip().lower()
     if requested:
         return requested == ACCELERATOR_NAME
-    from deepspeed_xla.devices.tpu import TpuDevice
-    return TpuDevice().is_present()
-
-
-def _program() -> str:
-    return sys.argv[0] if sys.argv and sys.argv[0] else ""
-
-
-def is_deepspeed_runner() -> bool:
-    """The ``deepspeed``/``ds`` CLI process, the one that reads ``.deepspeed_env``."""
-    prog = _program()
-    return os.path.basename(prog) in ("deepspeed", "ds") or prog.endswith(os.path.join("launcher", "runner.py"))
-
-
-def is_launcher_process() -> bool:
-    """The runner or ``deepspeed.launcher.launch``: they count devices and spawn, never train."""
-    return is_deepspeed_runner() or _program().endswith(os.path.join("launcher", "launch.py"))
+    from deepspeed_xla.devices import host_has_tpu
+    return host_has_tpu()
 
 
 def on_real_accelerator_loaded(module) -> None:
@@ -46,7 +32,6 @@ def on_real_accelerator_loaded(module) -> None:
         module.ds_accelerator = XLA_Accelerator()
         os.environ.setdefault("DS_ACCELERATOR", ACCELERATOR_NAME)
         if not is_launcher_process():
-            from deepspeed_xla.topology import fill_single_process_env
             fill_single_process_env(os.environ)
 
 

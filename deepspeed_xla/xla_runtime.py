@@ -119,6 +119,54 @@ def initialize_multiprocess(local_rank: int, local_size: int) -> None:
     pjrt.initialize_multiprocess(local_rank, local_size)
 
 
+def tpu_version() -> int:
+    """The TPU generation of this host, from the TPU VM metadata (torch_xla's ``tpu.version()``)."""
+    from torch_xla._internal import tpu
+    return tpu.version()
+
+
+def tpu_worker_ips() -> list:
+    """The addresses of the slice's hosts, in worker-id order."""
+    from torch_xla._internal import tpu
+    return tpu.get_worker_ips()
+
+
+def tpu_env() -> dict:
+    """This host's TPU VM metadata (``TPU_PROCESS_BOUNDS``, ``WORKER_ID``, ...)."""
+    from torch_xla._internal import tpu
+    return tpu.get_tpu_env()
+
+
+def register_pjrt_plugin(name: str, library: str, chips: int, client_options: dict,
+                         requires_coordinator: bool) -> None:
+    """Make torch_xla create the ``name`` client from PJRT plugin ``library`` with ``client_options``
+    (before the runtime starts)."""
+    from torch_xla.experimental import plugins
+
+    class Plugin(plugins.DevicePlugin):
+
+        def library_path(self) -> str:
+            return library
+
+        def physical_chip_count(self) -> int:
+            return chips
+
+        def client_create_options(self) -> dict:
+            return dict(client_options)
+
+        def requires_xla_coordinator(self) -> bool:
+            return requires_coordinator
+
+    plugins.use_dynamic_plugins()
+    plugins.register_plugin(name, Plugin())
+
+
+def xla_process_group_class() -> type:
+    """torch_xla's ``xla`` process group class (its module may only be imported in worker processes)."""
+    import torch_xla.distributed.xla_backend as xla_backend
+    return xla_backend.ProcessGroupXla
+
+
 def to_host(tensors):
     """Materialize XLA tensors with one execution and return CPU copies."""
     tx = torch_xla()

@@ -55,5 +55,5 @@ def xla_device():
 @pytest.fixture(scope="session")
 def train_module():
     """``scripts/train.py`` as a module (its TinyGPT), loaded without running it."""
-    from deepspeed_xla.bench import _load_train_module
-    return _load_train_module(str(REPO / "scripts" / "train.py"))
+    from deepspeed_xla.bench.example import load_example
+    return load_example(str(REPO / "scripts" / "train.py"))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from deepspeed_xla import bench
+from deepspeed_xla.bench import cli, example, results, systems
 from tests.conftest import REPO, clean_env
 
 TINY = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4", "--vocab", "64"]
@@ -19,21 +19,21 @@ TINY = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4", "--vocab"
 def test_matmul_params_are_the_models_minus_its_embeddings(train_module, dim, layers, vocab):
     model = train_module.TinyGPT(vocab, dim, layers, seq=16)
     counted = sum(p.numel() for name, p in model.named_parameters() if name not in ("tok.weight", "pos"))
-    assert bench.matmul_params(dim, layers, vocab) == counted
+    assert systems.matmul_params(dim, layers, vocab) == counted
 
 
 def test_flops_per_token_by_hand():
     # d=32, L=2, V=64, T=16. A block: qkv 32*96+96, proj 32*32+32, MLP 32*128+128 + 128*32+32, 2 LayerNorms 4*32
     # = 12704; the final LayerNorm 64 and the head 32*64+64 = 2176; N = 2*12704 + 2176 = 27584.
     # 6 N = 165504, attention 12*L*T*d = 12*2*16*32 = 12288.
-    assert bench.flops_per_token(dim=32, layers=2, vocab=64, seq=16) == 165504 + 12288
+    assert systems.flops_per_token(dim=32, layers=2, vocab=64, seq=16) == 165504 + 12288
 
 
 def test_system_names():
-    assert bench.parse_system("xla-zero3-2p") == bench.System("xla-zero3-2p", "xla", 3, 2)
-    assert bench.parse_system("floor") == bench.System("floor", "floor")
+    assert systems.parse_system("xla-zero3-2p") == systems.System("xla-zero3-2p", "xla", 3, 2)
+    assert systems.parse_system("floor") == systems.System("floor", "floor")
     with pytest.raises(Exception, match="floor or <xla|cpu>-zero<0-3>-<N>p"):
-        bench.parse_system("xla-zero4-1p")
+        systems.parse_system("xla-zero4-1p")
 
 
 def _rank(times, warm, end, device_bytes, rss):
@@ -44,17 +44,17 @@ def _rank(times, warm, end, device_bytes, rss):
 
 
 def test_summary_takes_the_slowest_rank_of_each_step_and_the_worst_counts():
-    args = bench.parse_args(["--steps", "5", "--warmup", "2", "--seq", "10", "--batch", "3"])
+    args = cli.parse_args(["--steps", "5", "--warmup", "2", "--seq", "10", "--batch", "3"])
     ranks = [_rank([9, 9, 1.0, 4.0, 2.0], (5, 5, 0), (5, 8, 0), 100, 7),
              _rank([9, 9, 3.0, 1.0, 1.0], (5, 5, 0), (6, 11, 3), 120, 5)]
-    row = bench.summarize(bench.System("xla-zero1-2p", "xla", 1, 2), ranks, args, peak_flops=None)
+    row = results.summarize(systems.System("xla-zero1-2p", "xla", 1, 2), ranks, args, peak_flops=None)
     assert row["median_step_s"] == 3.0  # slowest ranks: 3, 4, 2
     assert row["tokens_per_s"] == 2 * 3 * 10 / 3.0
     assert (row["compilations_after_warmup"], row["executions_per_step"], row["transfers_per_step"]) == (1, 2, 1)
     assert (row["device_bytes_per_rank"], row["state_bytes_per_rank"], row["peak_rss_bytes"]) == (120, 60, 7)
     assert row["mfu"] is None
     eager_rank = dict(ranks[0], counters={"warm": {}, "end": {}})  # what train.py writes off XLA
-    eager = bench.summarize(bench.System("cpu-zero0-1p", "cpu"), [eager_rank], args, 1e12)
+    eager = results.summarize(systems.System("cpu-zero0-1p", "cpu"), [eager_rank], args, 1e12)
     assert eager["executions_per_step"] is None and eager["mfu"] is None
 
 
@@ -65,12 +65,12 @@ def test_table_marks_missing_figures_and_failures():
             {"system": "cpu-zero0-1p", "median_step_s": 0.02, "tokens_per_s": 500.0, "peak_rss_bytes": 2 ** 29,
              "state_bytes_per_rank": 2 ** 19, "ratio_to_floor": 2.0, "load_average": 3.5},
             {"system": "xla-zero3-2p", "error": "exit code 1"}]
-    lines = bench.format_table(rows).splitlines()
+    lines = results.format_table(rows).splitlines()
     assert len({len(line.rstrip()) for line in lines[:2]}) == 1 and "MFU" not in lines[0]
     assert lines[2].split() == ["floor", "10.0", "1,000", "0", "1.00", "0.00", "1024", "0.50", "1.00", "1.00", "-"]
     assert lines[3].split() == ["cpu-zero0-1p", "20.0", "500", "-", "-", "-", "512", "0.50", "-", "2.00", "3.5"]
     assert lines[4].split() == ["xla-zero3-2p", "failed"] + ["-"] * 9
-    assert "MFU" in bench.format_table([dict(rows[0], mfu=0.42)]).splitlines()[0]
+    assert "MFU" in results.format_table([dict(rows[0], mfu=0.42)]).splitlines()[0]
 
 
 def test_targets():
@@ -79,7 +79,7 @@ def test_targets():
     report = {"systems": [row, dict(row, system="xla-zero2-1p", zero_stage=2)],
               "bandwidth": {"bytes": 64 << 20, "backend": "xla_host", "ratio": 0.7},
               "zero3_partition": {"ratio": 0.5}}
-    verdicts = {t["what"]: t["met"] for t in bench.check_targets(report)}
+    verdicts = {t["what"]: t["met"] for t in results.check_targets(report)}
     assert verdicts == {
         "xla-zero3-1p step time / floor": True, "xla-zero3-1p compilations after warm-up": True,
         "xla-zero3-1p device->host transfers per step": True,  # ZeRO-3 has no one-execution target
@@ -90,19 +90,19 @@ def test_targets():
 
 
 def test_zero_options_reach_every_deepspeed_config():
-    args = bench.parse_args(["--zero", "contiguous_gradients=true", "reduce_bucket_size=5e7"])
-    config = bench.ds_config(3, 8, args.zero)["zero_optimization"]
+    args = cli.parse_args(["--zero", "contiguous_gradients=true", "reduce_bucket_size=5e7"])
+    config = systems.ds_config(3, 8, args.zero)["zero_optimization"]
     assert config == {"stage": 3, "stage3_param_persistence_threshold": 0, "contiguous_gradients": True,
                       "reduce_bucket_size": 5e7}
     with pytest.raises(SystemExit):
-        bench.parse_args(["--zero", "contiguous_gradients"])
+        cli.parse_args(["--zero", "contiguous_gradients"])
 
 
 def test_bad_arguments_name_the_fix():
     with pytest.raises(SystemExit):
-        bench.parse_args(["--steps", "3", "--warmup", "3"])
+        cli.parse_args(["--steps", "3", "--warmup", "3"])
     with pytest.raises(SystemExit, match="--train-script"):
-        bench.find_train_script(str(REPO / "no-such-train.py"))
+        example.find_train_script(str(REPO / "no-such-train.py"))
 
 
 def test_floor_end_to_end(tmp_path, train_module):

@@ -5,13 +5,24 @@
   (real barriers, CPU tensors for object collectives, coalesced all-reduce, uneven all-to-all,
   replica groups that tile the world) and send/recv through host memory (``docs/pipeline.md``).
 
-The device type (``deepspeed_xla.devices``) names which one a process uses.
+Nothing registers at import: the accelerator registers the backend its device type names, saying
+whether device buffers are host memory. This package never asks which device it runs on.
 """
+import importlib
+
+#: Backend name -> the module whose ``register()`` adds it to torch.distributed.
+BACKENDS = {"xla_host": "deepspeed_xla.comm.host_staged", "xla_ds": "deepspeed_xla.comm.xla_collectives"}
 
 
-def completed_work(result=None):
-    """A finished ``dist.Work``: our process groups complete collectives before returning."""
-    import torch
-    future = torch.futures.Future()
-    future.set_result(result)
-    return torch._C._distributed_c10d._create_work_from_future(future)
+def register_backend(name: str, host_addressable: bool) -> str:
+    """Register backend ``name`` with torch.distributed (once per process); returns ``name``.
+
+    ``host_addressable``: device buffers are host memory that gloo can read and fill in place (PJRT CPU),
+    so staging needs no copies.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"{name!r} is not a deepspeed_xla backend; use one of {', '.join(BACKENDS)}.")
+    from deepspeed_xla.comm import staging
+    staging.configure(zero_copy=host_addressable)
+    importlib.import_module(BACKENDS[name]).register()
+    return name

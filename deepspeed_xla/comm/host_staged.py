@@ -2,24 +2,15 @@
 
 PJRT CPU has no cross-process XLA collectives, and gloo handed XLA tensors silently does nothing or
 hangs. This process group materializes the XLA operands (one execution for all of them), runs the
-op with gloo on host memory, and writes the results back into the XLA tensors; CPU tensors go to
-gloo directly. On PJRT CPU, where device buffers are host memory, nothing crosses a device boundary:
-gloo reads the XLA buffers through DLPack, and each result reaches its XLA tensor as a copy from an
-XLA alias of gloo's buffer inside the next graph (for a whole tensor, torch_xla just adopts the
-buffer). An in-place operand is copied once on the host first, since XLA buffers must not change;
-large buffers are reused (``host_buffers``); between two ranks an all-reduce needs no such copy
-(``_pairwise``). Elsewhere (the TPU side channel) the operands are
-copied to host memory and back. Everything above torch.distributed (DeepSpeed's comm layer, ZeRO,
-the pipeline engine) runs the same code as on TPU, where the ``xla`` backend is used instead.
+op with gloo on host memory, and writes the results back into the XLA tensors (``staging``); CPU
+tensors go to gloo directly. Between two ranks an all-reduce swaps operands instead of reducing in
+place (``_pairwise``). Everything above torch.distributed (DeepSpeed's comm layer, ZeRO, the pipeline
+engine) runs the same code as on TPU, where the ``xla_ds`` backend is used instead.
 
-Subgroups work as usual: ``new_group`` calls the creator again with the group's own store.
-gloo's timeout is the group's, or ``DS_XLA_COMM_TIMEOUT``; a failed gloo op names the failed rank
-(``comm/watchdog.py``).
-A collective runs when its Work is waited on (at once for a blocking call), together with every
-collective issued before it: every rank issues them in the same order, so running them in that order
-keeps each group's sequence, and their XLA operands are staged together in one execution (ZeRO-3
-issues one asynchronous all-gather per parameter and waits on them all). Sends and receives start at
-once and run until their Work is waited on, so paired isend/irecv do not deadlock.
+Collectives are queued and run when waited on (``work``). Sends and receives start at once and run
+until their Work is waited on, so paired isend/irecv do not deadlock. Subgroups work as usual:
+``new_group`` calls the creator again with the group's own store. gloo's timeout is the group's, or
+``DS_XLA_COMM_TIMEOUT``; a failed gloo op names the failed rank (``watchdog``).
 """
 import functools
 import os
@@ -30,71 +21,11 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, ProcessGroup
 
-from deepspeed_xla import xla_runtime
-from deepspeed_xla.comm import completed_work as _done
-from deepspeed_xla.comm import host_buffers, watchdog
+from deepspeed_xla.comm import host_buffers, staging, watchdog
+from deepspeed_xla.comm.work import ISSUED, HostWork, PendingWork, completed_work as _done, wait_all
 
 BACKEND_NAME = "xla_host"
 _GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
-
-
-def _is_xla(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "xla"
-
-
-@functools.lru_cache(maxsize=None)
-def _zero_copy() -> bool:
-    """Device buffers are host memory (PJRT CPU): gloo reads them in place and fills buffers XLA adopts."""
-    from deepspeed_xla.devices import current_device_type
-    return current_device_type().host_addressable
-
-
-def _to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Host tensors for ``tensors``: CPU ones as they are, XLA ones with one execution, then views or copies."""
-    xla = [t for t in tensors if _is_xla(t)]
-    if not xla:
-        return list(tensors)
-    hosts = iter(xla_runtime.host_views(xla) if _zero_copy() else xla_runtime.to_host(xla))
-    return [next(hosts) if _is_xla(t) else t for t in tensors]
-
-
-def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
-    """Where gloo writes a pure output: host memory of its own, so the device data is never read."""
-    return host_buffers.empty(tensor.shape, tensor.dtype) if _is_xla(tensor) else tensor
-
-
-def _writable(staged: torch.Tensor) -> torch.Tensor:
-    """An in-place operand's host buffer: a view of an XLA buffer is read-only, gloo writes a copy."""
-    return host_buffers.empty(staged.shape, staged.dtype).copy_(staged) if _zero_copy() else staged
-
-
-def _write_back(targets: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor]) -> None:
-    """Like a backend writing device memory: no autograd (targets may be parameters, e.g. tied weights).
-
-    Zero-copy, the source is an XLA alias of the host buffer: the copy joins the next graph (and reaches
-    the target's views and base like any in-place op) instead of being a host-to-device transfer.
-    """
-    with torch.no_grad():
-        for target, host in zip(targets, hosts):
-            if target is not host:
-                target.copy_(xla_runtime.device_alias(host) if _zero_copy() and _is_xla(target) else host)
-
-
-def _copy_local(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-    """Any collective of a one-rank group: each output is its input (in place, or a copy in the output's shape)."""
-    assert len(inputs) == len(outputs), "a one-rank collective pairs each input with one output"
-    with torch.no_grad():
-        for target, source in zip(outputs, inputs):
-            if target is not source:
-                target.copy_(source.reshape(target.shape))
-
-
-def _wait(works) -> None:
-    try:
-        for work in works if isinstance(works, (list, tuple)) else [works]:
-            work.wait()
-    except RuntimeError as error:  # gloo: a peer closed the connection, or the timeout passed
-        watchdog.explain_failure(error)
 
 
 def _flatten(lists: Sequence[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
@@ -135,100 +66,6 @@ def _gloo_group(store, rank: int, size: int, timeout: timedelta, lazy: bool) -> 
             os.environ[_GLOO_LAZY] = previous
 
 
-def _alias_key(tensor: torch.Tensor) -> int:
-    """Tensors with the same key may share memory: a view is keyed by its base."""
-    return id(tensor._base if tensor._base is not None else tensor)
-
-
-class _Issued:
-    """Collectives issued and not yet run, in issue order, over all groups of this process."""
-
-    def __init__(self):
-        self.ops: List["_PendingWork"] = []
-        self.read, self.written = set(), set()
-
-    def _run_if_any(self, tensors: Sequence[torch.Tensor], keys: set) -> None:
-        if any(_alias_key(t) in keys for t in tensors):
-            self.run()
-
-    def add(self, work: "_PendingWork") -> None:
-        """Queue ``work``. Queued ops stage all their inputs before any writes back, so only an op that
-        reads what a queued op writes must wait for the queue to run."""
-        self._run_if_any(work.inputs, self.written)
-        self.ops.append(work)
-        self.read.update(_alias_key(t) for t in work.inputs)
-        self.written.update(_alias_key(t) for t in work.outputs)
-
-    def before_now(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-        """Before an op that runs at once: run the queue if the op reads what it writes, or writes what it
-        reads or writes (issued later, the op must see the queue's results and not change its inputs)."""
-        self._run_if_any(inputs, self.written)
-        self._run_if_any(outputs, self.read | self.written)
-
-    def run(self) -> None:
-        """Stage every queued op's operands at once, then run the ops in order."""
-        ops, self.ops, self.read, self.written = self.ops, [], set(), set()
-        staged = iter(_to_host([t for op in ops for t in op.inputs]))
-        for op in ops:
-            op.run([next(staged) for _ in op.inputs])
-
-
-_ISSUED = _Issued()
-
-
-class _PendingWork(dist.Work):
-    """A collective queued in ``_ISSUED``: waiting on it runs it and everything issued before it."""
-
-    def __init__(self, group: "HostStagedProcessGroup", inputs, outputs, call: Callable, in_place: bool):
-        super().__init__()
-        self.group, self.inputs, self.outputs, self.call = group, list(inputs), list(outputs), call
-        self.in_place, self.done = in_place, False
-
-    def run(self, host_in: List[torch.Tensor]) -> None:
-        self.group._launch(self.inputs, host_in, self.outputs, self.call, self.in_place).wait()
-        self.done = True
-
-    def _finish(self) -> None:
-        if not self.done:
-            _ISSUED.run()
-
-    def wait(self, timeout=None) -> bool:
-        self._finish()
-        return True
-
-    def is_completed(self) -> bool:
-        self._finish()
-        return True
-
-    def result(self) -> List[torch.Tensor]:
-        self._finish()
-        return self.outputs
-
-    def get_future(self) -> torch.futures.Future:
-        self._finish()
-        future = torch.futures.Future()
-        future.set_result(self.outputs)
-        return future
-
-
-class _HostWork(dist.Work):
-    """A gloo op on host buffers; ``wait`` finishes it and writes the results into the XLA tensors."""
-
-    def __init__(self, works, outputs: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor]):
-        super().__init__()
-        self._works, self._outputs, self._hosts = works, list(outputs), list(hosts)
-
-    def wait(self, timeout=None) -> bool:
-        """``timeout`` is the group's, as gloo applies it."""
-        _wait(self._works)
-        _write_back(self._outputs, self._hosts)
-        self._outputs = self._hosts = []
-        return True
-
-    def _source_rank(self) -> int:
-        return self._works._source_rank()
-
-
 class HostStagedProcessGroup(ProcessGroup):
     """Collectives for XLA tensors over gloo, staged through host memory."""
 
@@ -246,12 +83,12 @@ class HostStagedProcessGroup(ProcessGroup):
     def group_name(self):
         return self._group_name
 
-    def _start(self, inputs, outputs, call) -> _HostWork:
+    def _start(self, inputs, outputs, call) -> HostWork:
         """Run the issued collectives, then stage ``inputs`` and start ``call`` (sends and receives)."""
-        _ISSUED.run()
-        return self._launch(inputs, _to_host(inputs), outputs, call)
+        ISSUED.run()
+        return self._launch(inputs, staging.to_host(inputs), outputs, call)
 
-    def _launch(self, inputs, host_in, outputs, call, in_place: bool = True) -> _HostWork:
+    def _launch(self, inputs, host_in, outputs, call, in_place: bool = True) -> HostWork:
         """Start ``call(host_in, host_out)`` on gloo, ``host_in`` being ``inputs`` staged; wait writes
         ``outputs`` back.
 
@@ -263,25 +100,25 @@ class HostStagedProcessGroup(ProcessGroup):
 
         def output_buffer(tensor):
             if id(tensor) not in staged:
-                return _host_buffer(tensor)
+                return staging.host_buffer(tensor)
             if not in_place:
                 return host_buffers.empty(tensor.shape, tensor.dtype)
-            return _writable(staged[id(tensor)]) if _is_xla(tensor) else staged[id(tensor)]
+            return staging.writable(staged[id(tensor)]) if staging.is_xla(tensor) else staged[id(tensor)]
 
         host_out = [output_buffer(t) for t in outputs]
-        return _HostWork(call(host_in, host_out), outputs, host_out)
+        return HostWork(call(host_in, host_out), outputs, host_out)
 
     def _run(self, inputs, outputs, call, in_place: bool = True) -> dist.Work:
-        """Issue a collective; it runs when waited on (``_Issued``). ``in_place``: see ``_launch``.
+        """Issue a collective; it runs when waited on (``work.Issued``). ``in_place``: see ``_launch``.
 
         A one-rank group copies on the device instead: staging would cut the step's graph for nothing.
         """
         if self.size() == 1:
-            _ISSUED.before_now(inputs, outputs)
-            _copy_local(inputs, outputs)
+            ISSUED.before_now(inputs, outputs)
+            staging.copy_local(inputs, outputs)
             return _done(list(outputs))
-        work = _PendingWork(self, inputs, outputs, call, in_place)
-        _ISSUED.add(work)
+        work = PendingWork(self, inputs, outputs, call, in_place)
+        ISSUED.add(work)
         return work
 
     # coalescing: torch runs the recorded ops through the *_coalesced methods below
@@ -290,7 +127,7 @@ class HostStagedProcessGroup(ProcessGroup):
 
     def _end_coalescing(self, device: torch.device) -> dist.Work:
         """torch keeps this Work, not the coalesced op's, when a device is given: run the op now."""
-        _ISSUED.run()
+        ISSUED.run()
         return _done()
 
     # all-reduce family
@@ -307,7 +144,7 @@ class HostStagedProcessGroup(ProcessGroup):
         """Between two ranks where staging is zero-copy, swap operands (``_pairwise``); else ``on_gloo(host
         buffers)``. The choice never depends on a rank's tensors, so both ranks of a pair make the same."""
         combine = _PAIRWISE.get(op.op)
-        if self.size() == 2 and combine is not None and _zero_copy():
+        if self.size() == 2 and combine is not None and staging.zero_copy():
             return self._run(tensors, tensors, functools.partial(self._pairwise, combine), in_place=False)
         return self._run(tensors, tensors, lambda _, out: on_gloo(out))
 
@@ -321,7 +158,7 @@ class HostStagedProcessGroup(ProcessGroup):
         peer = 1 - self.rank()
         works = [work for mine, theirs in zip(host_in, host_out) for work in
                  (self._gloo.send([mine], peer, _PAIRWISE_TAG), self._gloo.recv([theirs], peer, _PAIRWISE_TAG))]
-        _wait(works)
+        wait_all(works)
         for mine, theirs in zip(host_in, host_out):
             combine(theirs, mine, out=theirs)
         return _done()
@@ -329,7 +166,7 @@ class HostStagedProcessGroup(ProcessGroup):
     def reduce(self, tensors, opts):
         """Only the root's tensors change: gloo scribbles on the others' buffers, which stay on the host."""
         outputs = tensors if self.rank() == opts.rootRank else []
-        return self._run(tensors, outputs, lambda i, o: self._gloo.reduce(o or [_writable(t) for t in i], opts))
+        return self._run(tensors, outputs, lambda i, o: self._gloo.reduce(o or [staging.writable(t) for t in i], opts))
 
     def broadcast(self, tensors, opts):
         inputs = tensors if self.rank() == opts.rootRank else []
@@ -390,7 +227,7 @@ class HostStagedProcessGroup(ProcessGroup):
         """gloo has no list all-to-all: one alltoall_base between flat buffers split by numel."""
         out_sizes = [t.numel() for t in outputs]
         flat_out = host_buffers.empty((sum(out_sizes),), outputs[0].dtype)
-        _wait(self._gloo.alltoall_base(flat_out, torch.cat(_as_1d(inputs)), out_sizes, [t.numel() for t in inputs],
+        wait_all(self._gloo.alltoall_base(flat_out, torch.cat(_as_1d(inputs)), out_sizes, [t.numel() for t in inputs],
                                        opts))
         for output, chunk in zip(outputs, flat_out.split(out_sizes)):
             output.copy_(chunk.view_as(output))
@@ -407,8 +244,8 @@ class HostStagedProcessGroup(ProcessGroup):
         return self._start([], tensors, lambda _, o: self._gloo.recv_anysource(o, tag))
 
     def barrier(self, opts=None):
-        _ISSUED.run()
-        _wait(self._gloo.barrier(opts or dist.BarrierOptions()))
+        ISSUED.run()
+        wait_all(self._gloo.barrier(opts or dist.BarrierOptions()))
         return _done()
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
@@ -423,6 +260,3 @@ def _create(store, rank, size, timeout):
 def register() -> None:
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "xla"])
-
-
-register()

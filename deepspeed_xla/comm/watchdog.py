@@ -26,6 +26,8 @@ from typing import Callable, NoReturn, Optional
 
 import torch.distributed as dist
 
+from deepspeed_xla import env_vars
+
 TIMEOUT_ENV = "DS_XLA_COMM_TIMEOUT"
 EXIT_CODE = 1
 _PREFIX = "deepspeed_xla/watchdog/"
@@ -36,17 +38,8 @@ _watchdog: Optional["Watchdog"] = None
 
 def comm_timeout(default: timedelta) -> timedelta:
     """The collective timeout: ``DS_XLA_COMM_TIMEOUT`` seconds if set, else the process group's."""
-    value = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not value:
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = 0.0
-    if seconds <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r}: set it to a number of seconds greater than 0 (e.g. 600), "
-                         "or unset it to use DeepSpeed's timeout.")
-    return timedelta(seconds=seconds)
+    seconds = env_vars.positive_number(os.environ, TIMEOUT_ENV, "a number of seconds such as 600")
+    return default if seconds is None else timedelta(seconds=seconds)
 
 
 def _process_started(pid: int) -> float:

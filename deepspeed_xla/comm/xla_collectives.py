@@ -19,16 +19,11 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_xla import xla_runtime
-from deepspeed_xla.comm import completed_work as _done
 from deepspeed_xla.comm import watchdog
 from deepspeed_xla.comm.host_staged import HostStagedProcessGroup
+from deepspeed_xla.comm.work import completed_work as _done
 
 BACKEND_NAME = "xla_ds"
-
-
-def _base_class():
-    import torch_xla.distributed.xla_backend as xla_backend
-    return xla_backend.ProcessGroupXla
 
 
 def pad_chunks(tensor: torch.Tensor, splits: Sequence[int], width: int) -> torch.Tensor:
@@ -81,7 +76,7 @@ def _xla_or_host(name: str, xla_op: Callable) -> Callable:
 
 def make_process_group_class():
     """Built on first use: importing torch_xla's backend module is only allowed in worker processes."""
-    base = _base_class()
+    base = xla_runtime.xla_process_group_class()
 
     class DeepSpeedXlaProcessGroup(base):
 

@@ -2,11 +2,10 @@
 
 Every device-type difference (how to count devices without starting PJRT, the per-process
 environment, the comm backend, dtypes, memory figures) is a method here. Modules above this layer
-never branch on the device type: they ask ``current_device_type()``.
+never branch on the device type: they are handed this process's ``current_device_type()``.
 """
-import os
 from abc import ABC, abstractmethod
-from typing import Dict, List, Mapping, MutableMapping, Optional
+from typing import Dict, List, MutableMapping, Optional
 
 
 class DeviceType(ABC):
@@ -20,6 +19,8 @@ class DeviceType(ABC):
     has_xla_collectives: bool = False
     #: Whether device buffers are host memory that gloo can read and fill directly (DLPack, no copies).
     host_addressable: bool = False
+    #: The torch.distributed backend (``deepspeed_xla.comm.BACKENDS``) that processes of this type use.
+    comm_backend: str = ""
 
     @abstractmethod
     def is_present(self) -> bool:
@@ -63,10 +64,6 @@ class DeviceType(ABC):
         """Last step of a worker's setup, after ``configure_process`` and ``import torch_xla``, before any
         device use: e.g. register the PJRT plugin that serves this device type. Default: nothing."""
 
-    @abstractmethod
-    def communication_backend(self) -> str:
-        """torch.distributed backend name for processes of this device type."""
-
     def is_bf16_supported(self) -> bool:
         return True
 
@@ -91,21 +88,3 @@ class DeviceType(ABC):
     def export_env_prefixes(self) -> List[str]:
         """Variable-name prefixes the multi-node runner forwards to other hosts."""
         return ["PJRT_", "XLA_", "DS_XLA_", "DS_ACCELERATOR"]
-
-
-def int_env(env: Mapping[str, str], *names: str) -> Optional[int]:
-    """First of ``names`` set in ``env`` to a positive integer."""
-    for name in names:
-        value = env.get(name, "").strip()
-        if value:
-            try:
-                number = int(value)
-            except ValueError:
-                raise ValueError(f"{name}={value!r} is not an integer; set it to a device count such as 2.")
-            if number > 0:
-                return number
-    return None
-
-
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -2,12 +2,14 @@
 import os
 from typing import MutableMapping
 
-from deepspeed_xla.devices.base import DeviceType, cpu_count, int_env
+from deepspeed_xla import env_vars
+from deepspeed_xla.devices.base import DeviceType
 
 
 class CpuDevice(DeviceType):
     pjrt_name = "CPU"
     host_addressable = True
+    comm_backend = "xla_host"
     visible_devices_env = "DS_XLA_VISIBLE_DEVICES"
 
     def is_present(self) -> bool:
@@ -15,10 +17,10 @@ class CpuDevice(DeviceType):
 
     def local_device_count(self) -> int:
         """``CPU_NUM_DEVICES`` if set (to run more processes than cores), else one per core."""
-        return int_env(os.environ, "CPU_NUM_DEVICES") or cpu_count()
+        return env_vars.positive_int(os.environ, "CPU_NUM_DEVICES") or cpu_count()
 
     def describe(self) -> str:
-        source = ("from CPU_NUM_DEVICES" if int_env(os.environ, "CPU_NUM_DEVICES")
+        source = ("from CPU_NUM_DEVICES" if env_vars.positive_int(os.environ, "CPU_NUM_DEVICES")
                   else "one per core; CPU_NUM_DEVICES sets another count")
         return f"{self.local_device_count()} PJRT CPU device(s) ({source})"
 
@@ -32,13 +34,14 @@ class CpuDevice(DeviceType):
         env.setdefault("PJRT_LOCAL_PROCESS_COUNT", str(local_size))
 
     def memory_info(self, device) -> None:
-        """None without asking: PJRT CPU keeps no allocator statistics, and the refusal (an exception) cost
-        ZeRO-3, which reads memory stats every step, 0.4 ms a step."""
+        """None without asking: PJRT CPU keeps no allocator statistics, and asking raises, which costs ZeRO-3
+        (it reads memory stats every step) host time (docs/performance.md, 'Figures behind the code')."""
         return None
-
-    def communication_backend(self) -> str:
-        from deepspeed_xla.comm.host_staged import BACKEND_NAME
-        return BACKEND_NAME
 
     def export_env_prefixes(self):
         return super().export_env_prefixes() + ["CPU_NUM_DEVICES"]
+
+
+def cpu_count() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

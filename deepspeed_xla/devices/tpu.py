@@ -7,6 +7,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Dict, List, Mapping, MutableMapping, Optional, Tuple
 
+from deepspeed_xla import xla_runtime
 from deepspeed_xla.devices.base import DeviceType
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ class TpuDevice(DeviceType):
     pjrt_name = "TPU"
     visible_devices_env = "TPU_VISIBLE_CHIPS"
     has_xla_collectives = True
+    comm_backend = "xla_ds"
     unverified = ("not yet run on TPU hardware: the per-process topology is tested against torch_xla's own code "
                   "on faked hosts, training runs on PJRT CPU (docs/pipeline.md, README Status)")
 
@@ -44,9 +46,8 @@ class TpuDevice(DeviceType):
         if chip is not None:
             problems.append(unsupported_generation(int(re.match(r"v?(\d+)", chip.value.name).group(1))))
         if libtpu_path() is None:
-            from deepspeed_xla.xla_runtime import base_version, installed_version
-            xla_version = installed_version("torch_xla")
-            pin = f"=={base_version(xla_version)}" if xla_version else ""
+            xla_version = xla_runtime.installed_version("torch_xla")
+            pin = f"=={xla_runtime.base_version(xla_version)}" if xla_version else ""
             problems.append(f"libtpu (PJRT's TPU plugin) is not installed: pip install 'torch_xla[tpu]{pin}' (or set "
                             "TPU_LIBRARY_PATH to a libtpu.so).")
         return [problem for problem in problems if problem]
@@ -61,13 +62,12 @@ class TpuDevice(DeviceType):
                 f"{available} (in a hostfile: slots={available} for every host), or run 1 process.")
 
     def configure_process(self, local_rank, local_size, node_rank, env: MutableMapping[str, str]) -> None:
-        from torch_xla._internal import tpu
         chip = _own_chip(env.get(self.visible_devices_env, ""), local_rank)
+        version, worker_ips = xla_runtime.tpu_version(), xla_runtime.tpu_worker_ips()
         if local_size == 1:
-            computed = one_chip_env(chip, tpu.version(), len(tpu.get_worker_ips()))
+            computed = one_chip_env(chip, version, len(worker_ips))
         else:
-            computed = tpu_process_env(local_rank, local_size, tpu.get_tpu_env(), tpu.version(),
-                                       tpu.get_worker_ips(), chip=chip)
+            computed = tpu_process_env(local_rank, local_size, xla_runtime.tpu_env(), version, worker_ips, chip=chip)
         env[self.visible_devices_env] = computed.pop(self.visible_devices_env)
         for key, value in computed.items():
             env.setdefault(key, value)
@@ -79,11 +79,6 @@ class TpuDevice(DeviceType):
         chip, _ = _pci_chips()
         tflops = PEAK_BF16_TFLOPS_PER_CHIP.get(chip.value.name) if chip is not None else None
         return tflops * 1e12 / chip.value.devices_per_chip if tflops else None
-
-    def communication_backend(self) -> str:
-        from deepspeed_xla.comm import xla_collectives
-        xla_collectives.register()
-        return xla_collectives.BACKEND_NAME
 
     def export_env_prefixes(self):
         return super().export_env_prefixes() + ["TPU_", "LIBTPU_"]

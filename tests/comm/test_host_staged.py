@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _coalescing_manager
 
-from deepspeed_xla.comm import host_buffers, host_staged
+from deepspeed_xla import comm
+from deepspeed_xla.comm import host_buffers, staging
 from tests.multiproc import run_ranks
 
 WORLD = 2
@@ -271,8 +272,8 @@ def all_reduce_beside_a_send_in_flight(rank):
     """Two ranks all-reduce by swapping operands (``_pairwise``): under a tag of its own, so a send still in
     flight is not taken for the peer's operand, and without a host copy of the operand."""
     copies = []
-    writable = host_staged._writable
-    host_staged._writable = lambda staged: copies.append(staged) or writable(staged)
+    writable = staging.writable
+    staging.writable = lambda staged: copies.append(staged) or writable(staged)
     try:
         sent = dist.isend(xla(values(0, (3, 5))), dst=1) if rank == 0 else None
         tensor = xla(values(rank, (7,)))
@@ -288,8 +289,8 @@ def all_reduce_beside_a_send_in_flight(rank):
             dist.recv(received, src=0)
             expect("recv after the all_reduce", received, values(0, (3, 5)))
     finally:
-        host_staged._writable = writable
-    if host_staged._zero_copy():
+        staging.writable = writable
+    if staging.zero_copy():
         assert not copies, f"rank {rank}: the all-reduce copied its operand on the host"
 
 
@@ -462,7 +463,7 @@ def staging_cost(rank):
             dist.all_gather_into_tensor(output, input.flatten())
     (executions_after, _), (transfers_after, inbound_after) = counts()
     assert executions_after - executions == 1, f"rank {rank}: {executions_after - executions} XLA executions"
-    zero_copy = host_staged._zero_copy()
+    zero_copy = staging.zero_copy()
     input_bytes = 0 if zero_copy else sum(t.numel() * t.element_size() for t in inputs)
     assert transfers_after - transfers == (0 if zero_copy else 1), \
         f"rank {rank}: {transfers_after - transfers} device-to-host transfers (zero copy: {zero_copy})"
@@ -503,13 +504,13 @@ STAGING = {"zero-copy": True, "copies": False}  # PJRT CPU's path, and the TPU s
 
 def rank_main() -> None:
     """One rank: join the ``xla_host`` world and run every check in order, for each way of staging."""
-    dist.init_process_group("xla_host", timeout=timedelta(seconds=60))
+    dist.init_process_group(comm.register_backend("xla_host", host_addressable=True), timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    for staging, zero_copy in STAGING.items():
-        host_staged._zero_copy = lambda: zero_copy
+    for name, zero_copy in STAGING.items():
+        staging.configure(zero_copy)
         for fn in CHECKS:
             fn(rank)
-            print(f"PASS {staging} {fn.__name__}", flush=True)
+            print(f"PASS {name} {fn.__name__}", flush=True)
     dist.destroy_process_group()
 
 

@@ -27,10 +27,9 @@ def one_rank_main() -> None:
     import torch.distributed as dist
     import torch_xla
 
-    from deepspeed_xla.comm import xla_collectives
-    xla_collectives.register()
-    dist.init_process_group(xla_collectives.BACKEND_NAME)
-    assert dist.get_backend() == xla_collectives.BACKEND_NAME
+    from deepspeed_xla import comm
+    dist.init_process_group(comm.register_backend("xla_ds", host_addressable=True))
+    assert dist.get_backend() == "xla_ds"
     device = torch_xla.device()
     dist.barrier()
     gathered = [None]
@@ -84,9 +83,8 @@ def four_rank_main() -> None:
     import torch.distributed as dist
     import torch_xla
 
-    from deepspeed_xla.comm import xla_collectives
-    xla_collectives.register()
-    dist.init_process_group(xla_collectives.BACKEND_NAME)
+    from deepspeed_xla import comm
+    dist.init_process_group(comm.register_backend("xla_ds", host_addressable=True))
     rank, device = dist.get_rank(), torch_xla.device()
     pairs, ends = dist.new_group([0, 1]), dist.new_group([0, 3])
     if rank < 2:

@@ -17,7 +17,8 @@ import torch
 
 from deepspeed_xla.devices import cuda
 from deepspeed_xla.devices.cuda import CudaDevice, cuda_process_settings, visible_gpu_count
-from deepspeed_xla.topology import process_layout
+from deepspeed_xla.devices.cuda import plugin, probe
+from deepspeed_xla.launch_env import process_layout
 from tests.conftest import REPO, clean_env
 from tests.multiproc import free_port, run_ranks
 
@@ -122,16 +123,16 @@ def _run(code: str, *args: str, **env) -> subprocess.CompletedProcess:
 
 COUNT_CODE = """
 import json, os, sys
-from deepspeed_xla.devices import cuda
+from deepspeed_xla.devices.cuda import probe
 import deepspeed
 from deepspeed.accelerator import get_accelerator
 counts = {}
-cuda.DRIVER_GPU_DIR = sys.argv[1]
+probe.DRIVER_GPU_DIR = sys.argv[1]
 counts["driver"] = get_accelerator().device_count()
 os.environ["CUDA_VISIBLE_DEVICES"] = "1,3"
 counts["narrowed"] = get_accelerator().device_count()
 del os.environ["CUDA_VISIBLE_DEVICES"]
-cuda.DRIVER_GPU_DIR = sys.argv[2]
+probe.DRIVER_GPU_DIR = sys.argv[2]
 counts["nvidia_smi"] = get_accelerator().device_count()
 counts["torch_xla_imported"] = "torch_xla" in sys.modules
 print(json.dumps(counts))
@@ -153,7 +154,7 @@ def test_device_count_on_a_fake_gpu_host_starts_no_runtime(tmp_path):
 
 
 def test_no_gpu_is_one_clear_error(tmp_path):
-    code = ("import sys\nfrom deepspeed_xla.devices import cuda\ncuda.DRIVER_GPU_DIR = sys.argv[1]\n"
+    code = ("import sys\nfrom deepspeed_xla.devices.cuda import probe\nprobe.DRIVER_GPU_DIR = sys.argv[1]\n"
             "import deepspeed\nfrom deepspeed.accelerator import get_accelerator\nget_accelerator().set_device(0)\n")
     proc = _run(code, str(_gpu_dir(tmp_path, 0)), DS_ACCELERATOR="xla", PJRT_DEVICE="CUDA", CUDA_VISIBLE_DEVICES="0")
     assert proc.returncode == 1, proc.stdout
@@ -165,7 +166,7 @@ def test_no_gpu_is_one_clear_error(tmp_path):
 
 def setup_on_fake_gpus():
     """A worker of the two-process test: per-process setup on a host whose driver lists GPUs that CUDA cannot use."""
-    cuda.DRIVER_GPU_DIR = os.environ[FAKE_GPU_DIR]
+    probe.DRIVER_GPU_DIR = os.environ[FAKE_GPU_DIR]
     import deepspeed_xla
     deepspeed_xla.setup_process()
 
@@ -193,11 +194,11 @@ def test_plugin_from_the_wheel_starts_with_the_coordinator_and_fails_cleanly(tmp
 
 def test_report_rows_on_a_fake_gpu_host(monkeypatch, tmp_path):
     """What ``ds_xla_report`` prints for CUDA (``describe``) and that a ready host has no setup problem."""
-    monkeypatch.setattr(cuda, "DRIVER_GPU_DIR", str(_gpu_dir(tmp_path, 4)))
+    monkeypatch.setattr(probe, "DRIVER_GPU_DIR", str(_gpu_dir(tmp_path, 4)))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     device = CudaDevice()
     assert device.describe() == (
-        f"2 GPU(s) visible (host: 4, from {cuda.DRIVER_GPU_DIR}, narrowed by CUDA_VISIBLE_DEVICES=2,3); "
+        f"2 GPU(s) visible (host: 4, from {probe.DRIVER_GPU_DIR}, narrowed by CUDA_VISIBLE_DEVICES=2,3); "
         f"CUDA PJRT plugin: jax-cuda12-pjrt {metadata.version('jax-cuda12-pjrt')} ({cuda.plugin_library()})")
     assert device.setup_problems() == []
 
@@ -208,7 +209,7 @@ def test_missing_plugin_wheel_names_the_extra(monkeypatch):
 
     monkeypatch.setattr(cuda.metadata, "distribution", missing)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(cuda, "driver_gpu_count", lambda: 1)
+    monkeypatch.setattr(probe, "driver_gpu_count", lambda: 1)
     assert CudaDevice().setup_problems() == [
         "PJRT_DEVICE=CUDA needs the CUDA PJRT plugin: pip install 'deepspeed-xla[cuda]' (or pip install "
         "jax-cuda12-pjrt==0.7.1 --no-deps)."]
@@ -216,7 +217,7 @@ def test_missing_plugin_wheel_names_the_extra(monkeypatch):
 
 def test_toolkit_is_looked_up_where_xla_looks(tmp_path):
     """XLA searches ``../../nvidia/cuda_nvcc`` from the plugin library's folder (its CandidateCudaRoots)."""
-    library = tmp_path / "jax_plugins" / "xla_cuda12" / cuda.PLUGIN_LIBRARY
+    library = tmp_path / "jax_plugins" / "xla_cuda12" / plugin.PLUGIN_LIBRARY
     ptxas = tmp_path / "nvidia" / "cuda_nvcc" / "bin" / "ptxas"
     for path in (library, ptxas):
         path.parent.mkdir(parents=True)
@@ -251,7 +252,7 @@ def test_compute_capability_without_the_driver_library_names_the_fix(monkeypatch
     def no_library(name):
         raise OSError(f"{name}: cannot open shared object file")
 
-    monkeypatch.setattr(cuda.ctypes, "CDLL", no_library)
+    monkeypatch.setattr(probe.ctypes, "CDLL", no_library)
     cuda.compute_capability.cache_clear()
     with pytest.raises(RuntimeError, match=r"libnvidia-ml\.so\.1 .* NVIDIA_DRIVER_CAPABILITIES=compute,utility"):
         cuda.compute_capability()

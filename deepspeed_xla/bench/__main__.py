@@ -1,0 +1,5 @@
+import sys
+
+from deepspeed_xla.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,84 @@
+"""``python -m deepspeed_xla.bench``: the arguments and the driver's main loop."""
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+from deepspeed_xla.bench import driver, results
+from deepspeed_xla.bench.example import find_train_script
+from deepspeed_xla.bench.systems import DEFAULT_SYSTEMS, flops_per_token, matmul_params, parse_system, zero_option
+from deepspeed_xla.bench.workers import WORKERS
+from deepspeed_xla.devices import current_device_type
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m deepspeed_xla.bench",
+                                     description="DeepSpeed on XLA against a hand-written torch_xla loop.")
+    parser.add_argument("--steps", type=int, default=30, help="training steps per system")
+    parser.add_argument("--warmup", type=int, default=5, help="steps excluded from times and counters (compilation)")
+    parser.add_argument("--dim", type=int, default=64, help="model width (even: TinyGPT has 2 heads)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--systems", nargs="+", type=parse_system, default=[parse_system(n) for n in DEFAULT_SYSTEMS],
+                        metavar="SYSTEM",
+                        help=f"floor or <xla|cpu>-zero<0-3>-<N>p (default: {' '.join(DEFAULT_SYSTEMS)})")
+    parser.add_argument("--zero", nargs="+", type=zero_option, default=[], metavar="KEY=JSON",
+                        help="extra zero_optimization settings of the DeepSpeed systems, "
+                             "e.g. contiguous_gradients=true")
+    parser.add_argument("--skip-bandwidth", action="store_true", help="skip the all-reduce bandwidth comparison")
+    parser.add_argument("--bandwidth-mb", type=int, default=64)
+    parser.add_argument("--bandwidth-iters", type=int, default=10)
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--png", help="draw step times and tokens/s into this PNG (needs matplotlib)")
+    parser.add_argument("--train-script", help="scripts/train.py of a deepspeed-xla checkout (default: found)")
+    parser.add_argument("--workdir", help="where configs, per-rank JSON and logs go (default: a new temporary folder)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per system")
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup:
+        parser.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}: raise --steps")
+    if args.dim % 2:
+        parser.error(f"--dim {args.dim} does not split into TinyGPT's 2 attention heads: pass an even width")
+    if args.bandwidth_iters < 1:
+        parser.error("--bandwidth-iters must be at least 1")
+    args.zero = dict(args.zero)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        WORKERS[args.worker](args)
+        return 0
+    train_script = find_train_script(args.train_script)
+    device_type = current_device_type()  # writes PJRT_DEVICE for the children; never starts the runtime
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ds_xla_bench_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()[0]
+    peak_flops = device_type.peak_bf16_flops()
+    rows = [driver.run_system(system, args, train_script, workdir, peak_flops) for system in args.systems]
+    results.add_floor_ratios(rows)
+    report = {"command": " ".join(["python -m deepspeed_xla.bench", *(argv if argv is not None else sys.argv[1:])]),
+              "model": {"dim": args.dim, "layers": args.layers, "seq": args.seq, "batch": args.batch,
+                        "vocab": args.vocab, "matmul_params": matmul_params(args.dim, args.layers, args.vocab),
+                        "flops_per_token": flops_per_token(args.dim, args.layers, args.vocab, args.seq)},
+              "steps": args.steps, "warmup": args.warmup, "device": device_type.pjrt_name, "cpus": os.cpu_count(),
+              "zero_options": args.zero, "systems": rows,
+              "bandwidth": None if args.skip_bandwidth else driver.run_bandwidth(args, workdir),
+              "zero3_partition": results.zero3_partition(rows), "workdir": str(workdir)}
+    report["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
+    report["targets"] = results.check_targets(report)
+    print(results.render(report), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    if args.png:
+        results.plot(report, args.png)
+    failed = any("error" in row for row in rows) or "error" in (report["bandwidth"] or {})
+    return 1 if failed else 0

@@ -1,0 +1,87 @@
+"""Running the systems: one command per system (the ``deepspeed`` CLI, or a worker), each in its own session."""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from deepspeed_xla.bench.results import bandwidth_summary, summarize
+from deepspeed_xla.bench.systems import System, ds_config
+from deepspeed_xla.launch_env import free_port
+
+
+def deepspeed_command(procs: int, target: Sequence[str]) -> List[str]:
+    """The ``deepspeed`` CLI of this interpreter, on ``procs`` local processes."""
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(procs),
+            "--master_port", str(free_port()), *target]
+
+
+def child_env(accelerator: str, procs: int) -> dict:
+    env = dict(os.environ)
+    if accelerator in ("xla", "cpu"):
+        env["DS_ACCELERATOR"] = accelerator
+    if accelerator == "cpu":
+        env["LOCAL_SIZE"] = str(procs)  # DeepSpeed's CPU accelerator counts its "devices" from it
+    return env
+
+
+def run(cmd: List[str], env: dict, log: Path, timeout: float) -> Optional[str]:
+    """Run ``cmd`` with its output in ``log``; why it failed, or None. A timeout ends its whole process group."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return f"did not finish within {timeout:.0f} s (log: {log})"
+    if code:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        return f"exit code {code} (log: {log}):\n{tail}"
+    return None
+
+
+def read_ranks(path: Path, procs: int) -> List[dict]:
+    """train.py's JSON: rank 0 at ``path``, rank r at ``path.rank<r>``."""
+    return [json.loads((path if rank == 0 else Path(f"{path}.rank{rank}")).read_text()) for rank in range(procs)]
+
+
+def run_system(system: System, args: argparse.Namespace, train_script: Path, workdir: Path,
+               peak_flops: Optional[float]) -> dict:
+    out, log = workdir / f"{system.name}.json", workdir / f"{system.name}.log"
+    if system.accelerator == "floor":
+        cmd = [sys.executable, "-m", "deepspeed_xla.bench", "--worker", "floor", "--worker-out", str(out),
+               "--train-script", str(train_script), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--dim", str(args.dim), "--layers", str(args.layers), "--seq", str(args.seq),
+               "--batch", str(args.batch), "--vocab", str(args.vocab), "--seed", str(args.seed)]
+    else:
+        config = workdir / f"{system.name}.config.json"
+        config.write_text(json.dumps(ds_config(system.stage, args.batch, args.zero)))
+        cmd = deepspeed_command(system.procs, [
+            str(train_script), "--deepspeed_config", str(config), "--timings", "--losses-out", str(out),
+            "--steps", str(args.steps), "--warmup-steps", str(args.warmup), "--dim", str(args.dim),
+            "--layers", str(args.layers), "--seq", str(args.seq), "--vocab", str(args.vocab),
+            "--seed", str(args.seed)])
+    print(f"[bench] {system.name} ...", file=sys.stderr, flush=True)
+    error = run(cmd, child_env(system.accelerator, system.procs), log, args.timeout)
+    load = os.getloadavg()[0]  # the last minute of this system's run, its own processes included
+    if error:
+        print(f"[bench] {system.name} failed: {error}", file=sys.stderr, flush=True)
+        return {"system": system.name, "error": error}
+    return dict(summarize(system, read_ranks(out, system.procs), args, peak_flops), load_average=load)
+
+
+def run_bandwidth(args: argparse.Namespace, workdir: Path) -> dict:
+    out, log = workdir / "bandwidth.json", workdir / "bandwidth.log"
+    cmd = deepspeed_command(2, ["--no_local_rank", "--module", "deepspeed_xla.bench", "--worker", "bandwidth",
+                                "--worker-out", str(out), "--bandwidth-mb", str(args.bandwidth_mb),
+                                "--bandwidth-iters", str(args.bandwidth_iters)])
+    print("[bench] all-reduce bandwidth ...", file=sys.stderr, flush=True)
+    error = run(cmd, child_env("xla", 2), log, args.timeout)
+    if error:
+        print(f"[bench] all-reduce bandwidth failed: {error}", file=sys.stderr, flush=True)
+        return {"error": error}
+    return bandwidth_summary(json.loads(out.read_text()))

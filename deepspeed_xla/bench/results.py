@@ -1,0 +1,184 @@
+"""From the systems' JSON to the report: table rows, ratios, targets, the printout and the PNG."""
+import argparse
+import json
+import statistics
+from typing import List, Optional
+
+from deepspeed_xla.bench.systems import System, flops_per_token
+
+RATIO_TARGETS = {0: 1.10, 1: 1.10, 2: 1.10, 3: 1.25}  # step time of xla-zero<stage>-1p over the floor's
+BANDWIDTH_TARGET = 0.8  # device all-reduce bandwidth over gloo's
+PARTITION_TARGET = 0.55  # ZeRO-3 device bytes per rank, 2 processes over 1
+
+
+
+def summarize(system: System, ranks: List[dict], args: argparse.Namespace, peak_flops: Optional[float]) -> dict:
+    """One table row from every rank's JSON: a step lasts as long as its slowest rank; counts are the worst rank's."""
+    step_times = [max(times) for times in zip(*(rank["step_times"] for rank in ranks))][args.warmup:]
+    median_step = statistics.median(step_times)
+    tokens_per_s = system.procs * args.batch * args.seq / median_step
+    row = {"system": system.name, "accelerator": system.accelerator, "zero_stage": system.stage,
+           "processes": system.procs, "median_step_s": median_step, "tokens_per_s": tokens_per_s,
+           "peak_rss_bytes": max(rank["peak_rss_bytes"] for rank in ranks), "final_loss": ranks[0]["losses"][-1],
+           "state_bytes_per_rank": max(rank["state_bytes"] for rank in ranks),
+           "compilations_after_warmup": None, "executions_per_step": None, "transfers_per_step": None,
+           "device_bytes_per_rank": None, "mfu": None}
+    if all(rank["counters"].get("end") for rank in ranks):  # XLA: counters at the end of warm-up and of training
+        steady = args.steps - args.warmup
+        deltas = [{key: rank["counters"]["end"][key] - rank["counters"]["warm"][key] for key in rank["counters"]["end"]}
+                  for rank in ranks]
+        row.update(compilations_after_warmup=max(d["compilations"] for d in deltas),
+                   executions_per_step=max(d["executions"] for d in deltas) / steady,
+                   transfers_per_step=max(d["transfers_to_host"] for d in deltas) / steady,
+                   device_bytes_per_rank=max(rank["device_bytes"] for rank in ranks))
+        if peak_flops:
+            flops = flops_per_token(args.dim, args.layers, args.vocab, args.seq)
+            row["mfu"] = flops * tokens_per_s / (system.procs * peak_flops)
+    return row
+
+
+def bandwidth_summary(result: dict) -> dict:
+    device, gloo = statistics.median(result["device_seconds"]), statistics.median(result["gloo_seconds"])
+    return {"bytes": result["bytes"], "backend": result["backend"], "device_gb_per_s": result["bytes"] / device / 1e9,
+            "gloo_gb_per_s": result["bytes"] / gloo / 1e9, "ratio": gloo / device}
+
+
+def zero3_partition(rows: List[dict]) -> Optional[dict]:
+    """ZeRO-3's parameter and optimizer-state bytes per rank on 2 processes over 1, and the same for all live
+    device buffers (None unless both ran)."""
+    by_name = {row["system"]: row for row in rows if "error" not in row}
+    one, two = by_name.get("xla-zero3-1p"), by_name.get("xla-zero3-2p")
+    if not (one and two):
+        return None
+    return {"bytes_1_process": one["state_bytes_per_rank"], "bytes_per_rank_2_processes": two["state_bytes_per_rank"],
+            "ratio": two["state_bytes_per_rank"] / one["state_bytes_per_rank"],
+            "device_bytes_ratio": two["device_bytes_per_rank"] / one["device_bytes_per_rank"]}
+
+
+def add_floor_ratios(rows: List[dict]) -> None:
+    floor = next((row for row in rows if row["system"] == "floor" and "error" not in row), None)
+    for row in rows:
+        if floor and "error" not in row:
+            row["ratio_to_floor"] = row["median_step_s"] / floor["median_step_s"]
+
+
+def check_targets(report: dict) -> List[dict]:
+    """Each target of the issue that this run measured: what, the value, the limit, and whether it is met."""
+    checks = []
+
+    def check(what: str, value, limit: str, met: bool) -> None:
+        checks.append({"what": what, "value": value, "limit": limit, "met": met})
+
+    for row in report["systems"]:
+        if "error" in row or row["accelerator"] == "cpu":
+            continue
+        name, stage = row["system"], row["zero_stage"]
+        if row["accelerator"] == "xla" and row["processes"] == 1 and "ratio_to_floor" in row:
+            limit = RATIO_TARGETS[stage]
+            check(f"{name} step time / floor", row["ratio_to_floor"], f"<= {limit}", row["ratio_to_floor"] <= limit)
+        check(f"{name} compilations after warm-up", row["compilations_after_warmup"], "0",
+              row["compilations_after_warmup"] == 0)
+        if stage <= 2:
+            check(f"{name} executions per step", row["executions_per_step"], "1", row["executions_per_step"] == 1)
+        check(f"{name} device->host transfers per step", row["transfers_per_step"], "0",
+              row["transfers_per_step"] == 0)
+    bandwidth = report.get("bandwidth") or {}
+    if "ratio" in bandwidth:
+        check(f"all-reduce {bandwidth['bytes'] >> 20} MB, {bandwidth['backend']} / gloo bandwidth", bandwidth["ratio"],
+              f">= {BANDWIDTH_TARGET}", bandwidth["ratio"] >= BANDWIDTH_TARGET)
+    partition = report.get("zero3_partition")
+    if partition:
+        check("ZeRO-3 parameter + optimizer bytes per rank, 2 processes / 1", partition["ratio"],
+              f"<= {PARTITION_TARGET}",
+              partition["ratio"] <= PARTITION_TARGET)
+    return checks
+
+
+def _mb(value: float) -> str:
+    return f"{value / 2 ** 20:.2f}"
+
+
+COLUMNS = [  # header, row key, format of a present value
+    ("system", "system", str),
+    ("step ms", "median_step_s", lambda v: f"{v * 1e3:.1f}"),
+    ("tokens/s", "tokens_per_s", lambda v: f"{v:,.0f}"),
+    ("compiles after warm-up", "compilations_after_warmup", str),
+    ("executions/step", "executions_per_step", lambda v: f"{v:.2f}"),
+    ("D->H transfers/step", "transfers_per_step", lambda v: f"{v:.2f}"),
+    ("peak RSS MB", "peak_rss_bytes", lambda v: f"{v / 2 ** 20:.0f}"),
+    ("state MB/rank", "state_bytes_per_rank", _mb),
+    ("device MB/rank", "device_bytes_per_rank", _mb),
+    ("x floor", "ratio_to_floor", lambda v: f"{v:.2f}"),
+    ("MFU", "mfu", lambda v: f"{v:.1%}"),
+    ("load", "load_average", lambda v: f"{v:.1f}"),
+]
+
+
+def format_table(rows: List[dict]) -> str:
+    """The rows as a text table; '-' where a system has no such figure, the MFU column only where one has it."""
+    columns = [c for c in COLUMNS if c[1] != "mfu" or any(row.get("mfu") is not None for row in rows)]
+    cells = [[header for header, _, _ in columns]]
+    for row in rows:
+        cells.append([fmt(row[key]) if row.get(key) is not None else ("failed" if "error" in row and i == 1 else "-")
+                      for i, (_, key, fmt) in enumerate(columns)])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    lines = ["  ".join(cell.ljust(width) if i == 0 else cell.rjust(width)
+                       for i, (cell, width) in enumerate(zip(line, widths))) for line in cells]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def render(report: dict) -> str:
+    """The whole printout: the setup, the table, the all-reduce and ZeRO-3 figures, the targets."""
+    model, load = report["model"], report["load_average"]
+    lines = [f"TinyGPT dim {model['dim']}, {model['layers']} layers, seq {model['seq']}, batch {model['batch']}/rank, "
+             f"vocab {model['vocab']}: {model['flops_per_token']:,} FLOPs/token; {report['steps']} steps, medians "
+             f"after {report['warmup']} warm-up; PJRT_DEVICE={report['device']}, {report['cpus']} CPUs, load average "
+             f"{load['start']:.1f} -> {load['end']:.1f}"]
+    if report.get("zero_options"):
+        lines[0] += f"; zero_optimization {json.dumps(report['zero_options'])}"
+    lines += ["", format_table(report["systems"])]
+    bandwidth = report.get("bandwidth")
+    if bandwidth and "ratio" in bandwidth:
+        lines += ["", f"all-reduce of {bandwidth['bytes'] >> 20} MB, 2 processes: {bandwidth['backend']} on the device "
+                      f"{bandwidth['device_gb_per_s']:.2f} GB/s, gloo on CPU tensors {bandwidth['gloo_gb_per_s']:.2f} "
+                      f"GB/s (ratio {bandwidth['ratio']:.2f})"]
+    partition = report.get("zero3_partition")
+    if partition:
+        lines += [f"ZeRO-3 parameters + optimizer state per rank: {_mb(partition['bytes_1_process'])} MB on 1 "
+                  f"process, {_mb(partition['bytes_per_rank_2_processes'])} MB on 2 (ratio {partition['ratio']:.2f}; "
+                  f"all live device buffers: ratio {partition['device_bytes_ratio']:.2f})"]
+    if report["targets"]:
+        lines += ["", "targets:"] + [
+            f"  {'met' if t['met'] else 'MISSED':6}  {t['what']}: {t['value']:.3g} (target {t['limit']})"
+            for t in report["targets"]]
+    failures = [f"{row['system']}: {row['error']}" for row in report["systems"] if "error" in row]
+    if bandwidth and "error" in bandwidth:
+        failures.append(f"all-reduce bandwidth: {bandwidth['error']}")
+    if failures:
+        lines += ["", "failed:"] + failures
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Step time and tokens/s per system as a PNG; matplotlib is imported only here."""
+    from matplotlib.figure import Figure  # a bare Figure renders with Agg: no display, no pyplot state
+    rows = [row for row in report["systems"] if "error" not in row]
+    names = [row["system"] for row in rows]
+    figure = Figure(figsize=(11, 0.45 * len(rows) + 1.8), layout="constrained")
+    times, tokens = figure.subplots(1, 2, sharey=True)
+    times.barh(names, [row["median_step_s"] * 1e3 for row in rows], color="tab:blue")
+    floor = next((row for row in rows if row["system"] == "floor"), None)
+    if floor:
+        times.axvline(floor["median_step_s"] * 1e3, color="black", linestyle="--", linewidth=1, label="floor")
+        times.legend(loc="lower right")
+    times.set(xlabel="median step time (ms)")
+    times.invert_yaxis()
+    tokens.barh(names, [row["tokens_per_s"] for row in rows], color="tab:green")
+    tokens.set(xlabel="tokens/s")
+    model = report["model"]
+    figure.suptitle(f"TinyGPT d={model['dim']} L={model['layers']} T={model['seq']} B={model['batch']}, "
+                    f"PJRT_DEVICE={report['device']}")
+    for axes in (times, tokens):
+        axes.grid(axis="x", alpha=0.3)
+    figure.savefig(path, dpi=100)

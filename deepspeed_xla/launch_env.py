@@ -1,0 +1,121 @@
+"""Which launcher started this process, and where it put the process: local and global rank and size.
+
+DeepSpeed's ``launch.py`` sets ``LOCAL_RANK``/``LOCAL_SIZE``/``CROSS_RANK``, torchrun its own names; the MPI
+launchers and Slurm run the script directly and only their own variables exist. Standard library only: the
+startup hook, the ``deepspeed`` runner and every worker read this before anything heavy is imported.
+"""
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Mapping, MutableMapping, Optional, Sequence, Tuple
+
+# (local rank, local size, node rank) variables, in order of preference.
+_LAYOUT_SOURCES = (
+    ("LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK"),  # deepspeed.launcher.launch
+    ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"),  # torchrun
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", None),  # OpenMPI
+    ("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE", None),  # MVAPICH
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS", None),  # Intel MPI / MPICH hydra
+    ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID"),  # srun
+)
+# (global rank, world size) variables, in order of preference: launchers, then MPI and Slurm.
+_WORLD_SOURCES = (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                  ("PMI_RANK", "PMI_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"))
+_MPI_MARKERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
+_DIST_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def _program() -> str:
+    return sys.argv[0] if sys.argv and sys.argv[0] else ""
+
+
+def is_deepspeed_runner() -> bool:
+    """The ``deepspeed``/``ds`` CLI process, the one that reads ``.deepspeed_env``."""
+    prog = _program()
+    return os.path.basename(prog) in ("deepspeed", "ds") or prog.endswith(os.path.join("launcher", "runner.py"))
+
+
+def is_launcher_process() -> bool:
+    """The runner or ``deepspeed.launcher.launch``: they count devices and spawn, never train."""
+    return is_deepspeed_runner() or _program().endswith(os.path.join("launcher", "launch.py"))
+
+
+@dataclass(frozen=True)
+class ProcessLayout:
+    local_rank: int = 0
+    local_size: int = 1
+    node_rank: int = 0
+
+
+def process_layout(env: Mapping[str, str] = os.environ) -> ProcessLayout:
+    """This process's place on its host, from whichever launcher set its variables; plain python is 0 of 1."""
+    for rank_var, size_var, node_var in _LAYOUT_SOURCES:
+        if rank_var in env and size_var in env:
+            node = int(env.get(node_var, 0)) if node_var else 0
+            return ProcessLayout(int(env[rank_var]), int(env[size_var]), node)
+    if "SLURM_LOCALID" in env and "SLURM_STEP_TASKS_PER_NODE" in env:
+        node = int(env.get("SLURM_STEP_NODEID", env.get("SLURM_NODEID", 0)))
+        tasks = slurm_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])
+        return ProcessLayout(int(env["SLURM_LOCALID"]), tasks[node], node)
+    return ProcessLayout(int(env.get("LOCAL_RANK", 0)), 1, 0)
+
+
+def slurm_tasks_per_node(value: str) -> Sequence[int]:
+    """Slurm's compressed per-node task counts, e.g. ``"4(x2),3"`` -> ``[4, 4, 3]``.
+
+    srun sets ``SLURM_NTASKS_PER_NODE`` only with ``--ntasks-per-node``; this form is always there.
+    """
+    counts = []
+    for item in value.split(","):
+        count, _, repeat = item.partition("(x")
+        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    return counts
+
+
+def global_rank_and_size(env: Mapping[str, str] = os.environ) -> Optional[Tuple[int, int]]:
+    """This process's global rank and the world size from the launcher or MPI/Slurm, or None if none set them."""
+    for rank_var, size_var in _WORLD_SOURCES:
+        if rank_var in env and size_var in env:
+            return int(env[rank_var]), int(env[size_var])
+    return None
+
+
+def launched(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether a launcher (DeepSpeed's, torchrun, MPI, Slurm) started this process, not plain ``python``."""
+    return (any(rank in env and size in env for rank, size, _ in _LAYOUT_SOURCES)
+            or any(name in env for name in _MPI_MARKERS))
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def fill_single_process_env(env: MutableMapping[str, str]) -> bool:
+    """Let ``python train.py`` (no launcher, no MPI) run as rank 0 of 1 instead of asking mpi4py.
+
+    Returns whether anything was set. A partial launcher environment is left for ``check_launch_env``.
+    """
+    if any(name in env for name in _DIST_VARS + _MPI_MARKERS):
+        return False
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return True
+
+
+def check_launch_env(env: Mapping[str, str] = os.environ) -> None:
+    """Refuse part of the torch.distributed environment outside MPI, before DeepSpeed's ``init_distributed``.
+
+    DeepSpeed would take it for an MPI launch and fail on ``import mpi4py`` (or, with mpi4py installed,
+    run as rank 0 of 1), which names neither the cause nor the fix.
+    """
+    present = [name for name in _DIST_VARS if name in env]
+    if not present or len(present) == len(_DIST_VARS) or any(name in env for name in _MPI_MARKERS):
+        return
+    missing = [name for name in _DIST_VARS if name not in env]
+    raise RuntimeError(
+        f"This process has {', '.join(f'{name}={env[name]}' for name in present)} but no {', '.join(missing)}: "
+        "it was started without a launcher. Start the script with the deepspeed launcher (deepspeed --num_gpus N "
+        f"script.py) or torchrun, or unset {' '.join(present)} to run it as one process with plain python.")

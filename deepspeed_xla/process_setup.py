@@ -1,0 +1,76 @@
+"""Each worker's one-time device setup, before its first XLA use: this replaces ``xmp.spawn``.
+
+``setup_process()`` writes this process's PJRT topology (from ``launch_env.process_layout``) before the
+runtime starts, so that plain subprocess launching (DeepSpeed's launchers, torchrun, MPI, Slurm) gives
+one process per device. The launcher's own check of its host (``check_host_launch``) lives here too:
+it asks the same question without starting anything.
+"""
+import os
+from typing import Optional, Sequence
+
+from deepspeed_xla import xla_runtime
+from deepspeed_xla.devices import DeviceType, current_device_type
+from deepspeed_xla.launch_env import ProcessLayout, process_layout
+
+
+def process_count_problem(device_type: DeviceType, processes: int) -> Optional[str]:
+    """Why this host cannot run ``processes`` workers of ``device_type``, naming the fix (None if it can).
+    Never starts the runtime: each host's launcher asks before starting workers, each worker at setup."""
+    available = device_type.local_device_count()
+    if available == 0:
+        return (" ".join(device_type.setup_problems()) or
+                f"PJRT_DEVICE={device_type.pjrt_name} but this host has no {device_type.pjrt_name} device: "
+                "run on a host that has one, or set PJRT_DEVICE=CPU.")
+    return device_type.process_count_problem(processes, available)
+
+
+def check_host_launch(device_type: DeviceType, device_ids: Sequence[int]) -> None:
+    """``deepspeed.launcher.launch``'s check of its host before it starts one worker per id (``--num_gpus`` or
+    the hostfile's ``slots=``): one error from the launcher instead of the same error from every worker.
+    Reads package metadata only: a launcher must not import torch_xla (that could lock the TPU chips)."""
+    problem = xla_runtime.installed_pair_problem() or process_count_problem(device_type, len(device_ids))
+    if problem:
+        raise RuntimeError(problem)
+
+
+_layout: Optional[ProcessLayout] = None
+
+
+def setup_process(device_type: Optional[DeviceType] = None) -> ProcessLayout:
+    """Configure this process's device once, before its first XLA use; safe to call again.
+
+    ``device_type``: the accelerator's; this process's ``current_device_type()`` when called directly."""
+    global _layout
+    if _layout is not None:
+        return _layout
+    layout = process_layout()
+    if layout.local_size > 1 and xla_runtime.is_runtime_initialized():
+        raise RuntimeError(
+            f"The XLA runtime was started in this process (local rank {layout.local_rank} of "
+            f"{layout.local_size}) before deepspeed_xla set up its per-process device topology. Do not touch "
+            "the XLA device (torch_xla.device(), .to('xla'), torch_xla.runtime.world_size(), ...) before "
+            "deepspeed.init_distributed()/deepspeed.initialize(), or call deepspeed_xla.setup_process() first.")
+    device_type = device_type or current_device_type()
+    problem = process_count_problem(device_type, layout.local_size)
+    if problem:
+        raise RuntimeError(problem)
+    device_type.configure_process(layout.local_rank, layout.local_size, layout.node_rank, os.environ)
+    xla_runtime.torch_xla()
+    device_type.prepare_runtime()
+    if layout.local_size > 1 and device_type.has_xla_collectives:
+        xla_runtime.initialize_multiprocess(layout.local_rank, layout.local_size)
+        _check_ordinal()
+    _layout = layout
+    return layout
+
+
+def _check_ordinal() -> None:
+    rank = os.environ.get("RANK")
+    if rank is None:
+        return
+    ordinal = xla_runtime.global_ordinal()
+    if ordinal != int(rank):
+        raise RuntimeError(
+            f"This process has DeepSpeed RANK={rank} but XLA global ordinal {ordinal}: the XLA collectives would "
+            "mix up ranks. List hosts in the hostfile in TPU worker-id order (TPU_WORKER_ID 0, 1, ...) and "
+            "start the same number of processes on every host.")
