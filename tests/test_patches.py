@@ -18,7 +18,7 @@ def test_patched_upstream_source_unchanged(patch):
     importlib.import_module(patch.module)
     assert patches.is_applied(patch), "patch not applied under DS_ACCELERATOR=xla"
     assert patches.upstream_digest(patch) == patch.digest, (
-        f"DeepSpeed changed {patch.module}.{patch.owner}.{patch.attr}: re-check the patch in deepspeed_xla/patches.py")
+        f"DeepSpeed changed {patch.module}.{patch.owner}.{patch.attr}: re-check the patch in deepspeed_xla/patches/")
 
 
 def test_startup_hook_covers_every_patched_module():
@@ -26,11 +26,20 @@ def test_startup_hook_covers_every_patched_module():
     assert hooked == set(patches.PATCHED_MODULES)
 
 
+def test_registry_imports_nothing_from_deepspeed_xla():
+    """``patches/registry.py``, which every patch module builds on, imports nothing from the package."""
+    import ast
+    tree = ast.parse(inspect.getsource(patches.registry))
+    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    imported += ["." * node.level + (node.module or "") for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    assert imported and not [name for name in imported if name.split(".")[0] in ("", "deepspeed_xla")]
+
+
 def test_keep_parameter_objects_preserves_identity():
     import torch_xla
     model = torch.nn.Linear(3, 2)
     before = list(model.parameters())
-    with patches.keep_parameter_objects():
+    with patches.engine.keep_parameter_objects():
         model.to(torch_xla.device())
     assert all(a is b for a, b in zip(before, model.parameters()))
     assert model.weight.device.type == "xla"
@@ -76,7 +85,7 @@ def _configure_zero(zero_config: dict, module=None, has_moe_layers=False):
     zero = DeepSpeedZeroConfig(**zero_config)
     engine = SimpleNamespace(module=module or torch.nn.Linear(8, 1), has_moe_layers=has_moe_layers,
                              _config=SimpleNamespace(zero_config=zero))
-    patches._engine_configure_zero_optimizer(lambda self, optimizer: None)(engine, None)
+    patches.engine.configure_zero_optimizer(lambda self, optimizer: None)(engine, None)
     return zero
 
 
@@ -163,7 +172,7 @@ def zero3_step_against_upstream():
         upstream_prepare(self, sub_group_id)
         upstream = self.fp32_partitioned_groups_flat[sub_group_id].grad.cpu()
         self.averaged_gradients[sub_group_id] = grads
-        found["spans"] += patches._grad_buffer_span(self, sub_group_id) is not None
+        found["spans"] += patches.zero._grad_buffer_span(self, sub_group_id) is not None
         patched_prepare(self, sub_group_id)
         found["gradients"].append((upstream.tolist(), self.fp32_partitioned_groups_flat[sub_group_id].grad.tolist()))
 

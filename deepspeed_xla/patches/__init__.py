@@ -1,0 +1,110 @@
+"""Every run-time change to DeepSpeed internals, in one table, each guarded by the version it was written for.
+
+The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
+the XLA accelerator is active. ``tests/test_patches.py`` fails when an upstream target changes.
+The wrappers live in one module per DeepSpeed subsystem they patch (``engine``, ``zero``,
+``precision``, ``grad_checks``, ``config``, ``launcher``); ``registry`` defines ``Patch`` and how a
+patch is checked and applied. Their figures: (docs/performance.md, 'Why the patches exist').
+"""
+import warnings
+from importlib import metadata
+
+from deepspeed_xla.patches import config, engine, grad_checks, launcher, precision, zero
+# WRITTEN_FOR, Patch, is_applied, source_digest and upstream_digest are this package's API too.
+from deepspeed_xla.patches.registry import WRITTEN_FOR, Patch, _apply, is_applied, source_digest, upstream_digest
+
+
+# DeepSpeed imports has_inf_or_nan by name, so every importing module's binding is patched.
+_HAS_INF_OR_NAN_DIGEST = "f2891c8e640be50c"
+
+_FP16_OPTIMIZER = "deepspeed.runtime.fp16.fused_optimizer"
+
+PATCHES = [
+    *(Patch(module, "", "has_inf_or_nan", grad_checks.has_inf_or_nan, _HAS_INF_OR_NAN_DIGEST)
+      for module in ("deepspeed.runtime.utils", "deepspeed.runtime.zero.stage_1_and_2",
+                     "deepspeed.runtime.zero.stage3", "deepspeed.runtime.fp16.loss_scaler")),
+    *(Patch(module, "", "clip_tensors_by_global_norm", grad_checks.clip_tensors_by_global_norm, "7acb1d9576311c93")
+      for module in ("deepspeed.runtime.utils", "deepspeed.runtime.bf16_optimizer")),
+    *(Patch(module, "", "is_invalid_grad_norm", grad_checks.is_invalid_grad_norm, "6afd483e2c88e25e")
+      for module in ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3",
+                     "deepspeed.runtime.bf16_optimizer", _FP16_OPTIMIZER)),
+    Patch(_FP16_OPTIMIZER, "", "CheckOverflow", precision.fp16_optimizer_overflow_checker, "ad6225ec62eec6f0"),
+    Patch(_FP16_OPTIMIZER, "", "get_flattened_grad_norm", precision.get_flattened_grad_norm, "0ac9d7bf88d477dc"),
+    Patch(_FP16_OPTIMIZER, "", "get_global_norm", precision.get_global_norm, "2279a25f9445daa5"),
+    Patch("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "update_hp_grads",
+          precision.bf16_optimizer_update_hp_grads, "2e3323daf69099fd",
+          reads=("update_hp_grads", "_update_hp_grad", "_setup_for_real_optimizer")),
+    Patch("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "get_grads_for_norm",
+          precision.bf16_optimizer_grads_for_clipping, "f50a60eac0fc1b77",
+          reads=("get_grads_for_norm", "step", "clear_hp_grads")),
+    Patch(_FP16_OPTIMIZER, "FP16_Optimizer", "step", precision.fp16_optimizer_step, "d3311d0b03f4d4db",
+          reads=("step", "__init__")),
+    Patch(_FP16_OPTIMIZER, "FP16_Optimizer", "unscale_and_clip_grads", precision.fp16_optimizer_unscale_and_clip_grads,
+          "87c72c13927c20de"),
+    Patch("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "has_overflow",
+          zero.stage_1_and_2_has_overflow, "cadc27a13cb7e977"),
+    Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "partition_grads",
+          zero.stage3_partition_grads, "737384307101960d", reads=("partition_grads", "__init__")),
+    Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_prepare_fp32_grad_for_sub_group",
+          zero.stage3_fp32_grad_from_flat_buffer, "78ffebc682040ac1",
+          reads=("_prepare_fp32_grad_for_sub_group", "independent_gradient_partition_epilogue", "__init__")),
+    Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "get_grad_norm_direct",
+          zero.stage3_grad_norm, "89aab0f80f1a80b3"),
+    Patch("deepspeed.runtime.zero.linear", "LinearFunctionForZeroStage3", "apply", zero.zero3_linear_apply,
+          "a2d46ec1bf4107fd", reads=("forward", "setup_context")),
+    Patch("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "_register_deepspeed_module",
+          zero.zero3_register_module, "05081f6e841fa219"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "skipped_steps", engine.skipped_steps, "c4c6e01aa1fc4e7d",
+          reads=("_take_model_step", )),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_optimizer", engine.configure_optimizer,
+          "dd82a70f2f92fe12"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_distributed_model",
+          engine.configure_distributed_model, "a9a57b807f5eed72"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_zero_optimizer",
+          engine.configure_zero_optimizer, "f31cf07a5d4f4170"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", engine.sync_after,
+          "c4c6e01aa1fc4e7d"),
+    Patch("deepspeed.runtime.engine", "", "create_checkpoint_engine", engine.create_checkpoint_engine,
+          "1adbe5fc9cc0c1d1"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "save_checkpoint", engine.save_checkpoint,
+          "c92409217281487c"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_get_shared_params", engine.get_shared_params,
+          "7ca3cfe76bcd4439"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "load_checkpoint", engine.sync_after, "5728d3dfa42a3d6c"),
+    Patch("deepspeed.runtime.config", "DeepSpeedConfig", "_configure_train_batch_size",
+          config.configure_train_batch_size, "5d0a45deff9d4487"),
+    Patch("deepspeed.runtime.config", "", "get_timers_config", config.timers_without_device_wait,
+          "f497cad4ad72df4f"),
+    Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_PATHS", launcher.runner_env_paths, "d40ac82930b5b28f",
+          reads=("main", )),
+    Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_NAME", launcher.runner_env_name, "d40ac82930b5b28f",
+          reads=("main", )),
+]
+
+PATCHED_MODULES = sorted({p.module for p in PATCHES})
+
+
+def _xla_is_active() -> bool:
+    from deepspeed.accelerator import real_accelerator
+    return getattr(real_accelerator.ds_accelerator, "_name", None) == "xla"
+
+
+def on_module_loaded(module) -> None:
+    """Startup-hook entry: patch ``module`` if the XLA accelerator is DeepSpeed's accelerator."""
+    if not _xla_is_active():
+        return
+    installed = metadata.version("deepspeed")
+    if installed != WRITTEN_FOR:
+        warnings.warn(f"deepspeed_xla's patches were written for DeepSpeed {WRITTEN_FOR}, found {installed}: "
+                      f"install deepspeed=={WRITTEN_FOR}.")
+    for patch in PATCHES:
+        if patch.module == module.__name__:
+            _apply(module, patch)
+
+
+def apply_all() -> None:
+    """Patch every target module that is already imported (the explicit ``register()`` route)."""
+    import sys
+    for name in PATCHED_MODULES:
+        if name in sys.modules:
+            on_module_loaded(sys.modules[name])

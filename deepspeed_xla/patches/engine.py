@@ -1,0 +1,215 @@
+"""Patches of DeepSpeed's engine (``deepspeed.runtime.engine``): placement, step ends, ZeRO setup, checkpoints.
+
+``DeepSpeedEngine`` assumes an eager device: it moves the model with ``module.to`` (which on XLA replaces
+the Parameters the optimizer holds), never marks a step's end (the lazy graph would grow across steps),
+sizes ZeRO's buckets for CUDA's unbacked allocations, finds tied weights by storage pointer (0 on XLA)
+and counts skipped steps on the host; its checkpoints would hold XLA tensors and name ``latest`` before
+every rank is done. These wrappers fit each of those to XLA.
+"""
+import contextlib
+import functools
+
+
+@contextlib.contextmanager
+def keep_parameter_objects():
+    """Make ``module.to(xla)`` swap tensor contents into the existing Parameter objects.
+
+    A CPU Parameter cannot take an XLA tensor as ``.data``, so torch replaces the Parameter, and the
+    optimizer (built from the user's ``model.parameters()``) keeps training the stale CPU tensors.
+    """
+    import torch
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+def configure_distributed_model(original):
+
+    @functools.wraps(original)
+    def configure(self, model):
+        from deepspeed.utils import debug
+        # DeepSpeed's debug name maps hold weakrefs to every parameter, and swapping refuses weakref'd
+        # tensors: drop the maps for the move and rebuild them (ids do not change) afterwards.
+        debug.debug_clear_module_and_param_names()
+        try:
+            with keep_parameter_objects():
+                return original(self, model)
+        finally:
+            debug.debug_extract_module_and_param_names(model)
+
+    return configure
+
+
+def sync_after(original):
+    """End the lazy graph when ``original`` returns.
+
+    ``_take_model_step``: one XLA execution per step, bounded graph size. DeepSpeed never marks steps
+    (eager devices need no marker); without one the traced graph grows across steps until the
+    compiler runs out of memory. The pipeline engine steps here too.
+
+    ``load_checkpoint``: the load leaves lazy computations over the freshly loaded buffers (ZeRO-3
+    rebuilds its partitions and gathered parameters from them). Left to the first step, one of them
+    reads a partition-sized buffer that step donates to an in-place update, and the second step
+    fails with "buffer ... is deleted" (docs/performance.md, 'Why the patches exist'). Materialized
+    here, the first step starts from device data, as after initialize.
+    """
+
+    @functools.wraps(original)
+    def sync_after(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        from deepspeed_xla import xla_runtime
+        xla_runtime.sync(wait=False)
+        return result
+
+    return sync_after
+
+
+def configure_zero_optimizer(original):
+    """Fit ZeRO's gradient buffers to XLA before ZeRO allocates them.
+
+    Bucket sizes: ZeRO allocates its gradient buckets with ``torch.empty(reduce_bucket_size)``
+    (default 5e8 elements) every step. CUDA leaves untouched memory unbacked; XLA materializes the
+    whole buffer, every step. A bucket never holds more than every parameter, so capping the sizes
+    at the parameter count changes no result.
+
+    ``contiguous_gradients`` off unless the config sets it: the option copies each gradient into a
+    slice of a flat bucket to spare CUDA's allocator fragmentation. torch_xla lowers each such copy
+    as a select over the whole bucket, so a step does work of (parameters x bucket) elements, which
+    dominates ZeRO-1/2's step time (docs/performance.md, 'Why the patches exist'). Off, ZeRO
+    concatenates the gradients once (same values). MoE layers need it on in ZeRO-2, so they keep
+    DeepSpeed's default.
+    """
+
+    @functools.wraps(original)
+    def configure(self, optimizer):
+        numel = sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters())
+        numel += numel % 2  # ZeRO-1/2 assert an even all-gather bucket (4-byte alignment of 16-bit elements)
+        zero = self._config.zero_config
+        for field in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
+            if getattr(zero, field, 0) > numel:
+                setattr(zero, field, numel)
+        if "contiguous_gradients" not in zero.model_fields_set and not self.has_moe_layers:
+            zero.contiguous_gradients = False
+        return original(self, optimizer)
+
+    return configure
+
+
+SKIPPED_STEPS = "xla_skipped_steps"
+
+
+def _device_skipped_steps(engine) -> int:
+    counter = getattr(getattr(engine, "optimizer", None), SKIPPED_STEPS, None)
+    return 0 if counter is None else int(counter.item())
+
+
+def skipped_steps(_upstream_has_none):
+    """``engine.skipped_steps`` counts the steps ``step_guard`` skipped on the device too.
+
+    Upstream keeps an instance counter that ``_take_model_step`` bumps when the optimizer reports an
+    overflow; on XLA the optimizers no longer report one. The device count is read only when
+    something reads the attribute: DeepSpeed's progress log every ``steps_per_print`` steps, a
+    checkpoint save, the user.
+    """
+
+    def get(self) -> int:
+        return self.__dict__.get("_host_skipped_steps", 0) + _device_skipped_steps(self)
+
+    def set(self, value: int) -> None:
+        self.__dict__["_host_skipped_steps"] = value - _device_skipped_steps(self)
+
+    return property(get, set, doc=skipped_steps.__doc__)
+
+
+def configure_optimizer(original):
+    """Guard the inner optimizer of every wrapper whose ``is_invalid_grad_norm`` test moved to the device.
+
+    The wrapper's ``xla_skipped_steps``, a device tensor, counts the steps discarded because the
+    gradient norm was invalid; ``engine.skipped_steps`` adds it in.
+    """
+
+    @functools.wraps(original)
+    def configure(self, client_optimizer, model_parameters):
+        original(self, client_optimizer, model_parameters)
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+        wrapper = self.optimizer
+        if isinstance(wrapper, (BF16_Optimizer, FP16_Optimizer, DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+            from deepspeed_xla import step_guard
+
+            def count(skipped):
+                previous = getattr(wrapper, SKIPPED_STEPS, None)
+                setattr(wrapper, SKIPPED_STEPS, skipped.long() if previous is None else previous + skipped.long())
+
+            step_guard.guard_step(wrapper.optimizer, lambda: wrapper._global_grad_norm, count)
+
+    return configure
+
+
+def create_checkpoint_engine(original):
+    """Give DeepSpeed's checkpoint engine CPU tensors: checkpoints written on XLA load without torch_xla."""
+
+    @functools.wraps(original)
+    def create_checkpoint_engine(*args, **kwargs):
+        from deepspeed_xla.checkpoint import CpuCheckpointEngine
+        return CpuCheckpointEngine(original(*args, **kwargs))
+
+    return create_checkpoint_engine
+
+
+def get_shared_params(original):
+    """Name tied parameters by Parameter identity: XLA tensors have no storage pointer.
+
+    Upstream finds shared weights by ``param.data_ptr()``, which is 0 for every XLA tensor, so every
+    parameter looks shared with the first one and ``zero_to_fp32`` writes the first parameter's values
+    under every name. Tied weights are one Parameter object reached under several names. ZeRO-3
+    identifies them by ``ds_id`` upstream and is left as it is.
+    """
+
+    @functools.wraps(original)
+    def get_shared_params(self):
+        from deepspeed import comm as dist
+        if self.zero_optimization_partition_weights() or dist.get_rank() != 0:
+            return original(self)
+        first_name, shared = {}, {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            if id(param) in first_name:
+                shared[name] = first_name[id(param)]
+            else:
+                first_name[id(param)] = name
+        return shared
+
+    return get_shared_params
+
+
+def save_checkpoint(original):
+    """Write ``latest`` only once every rank's files are on disk, and atomically.
+
+    Upstream rank 0 writes ``latest`` before the final barrier, so it can name a checkpoint another
+    rank is still writing (or dies writing). The upstream save ends with a barrier that every rank
+    reaches after its files; ``latest`` goes after it, then a barrier as upstream. Decoupled
+    (asynchronous) checkpoint engines write ``latest`` when they commit and are left as they are.
+    """
+
+    @functools.wraps(original)
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        client_state = {} if client_state is None else client_state
+        if self.checkpoint_engine.is_decoupled():
+            return original(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        result = original(self, save_dir, tag, client_state, False, exclude_frozen_parameters)
+        if save_latest:
+            from deepspeed import comm as dist
+            from deepspeed_xla.checkpoint import write_latest
+            if self.global_rank == 0:
+                write_latest(save_dir, tag)
+            dist.barrier()
+        return result
+
+    return save_checkpoint

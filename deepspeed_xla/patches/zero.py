@@ -1,0 +1,196 @@
+"""Patches of DeepSpeed's ZeRO optimizers (``deepspeed.runtime.zero``): ZeRO-3's step and hooks, ZeRO-1/2's overflow.
+
+Upstream writes and reads ZeRO's flat gradient buffer one parameter view at a time, which torch_xla
+lowers as a select (or a replayed slice) over the whole buffer per parameter, and ZeRO-3's autograd
+Functions pay torch's argument binding on every call: host work per parameter and per module, every
+step. ZeRO-1/2 all-reduce and read an overflow flag the device-side step guard already covers. These
+wrappers do the same work once per buffer, or leave it to the device, with the same values.
+"""
+import functools
+import inspect
+
+
+def stage3_partition_grads(original):
+    """ZeRO-3: write a bucket's gradient partitions into the flat gradient buffer with one update.
+
+    Upstream copies each partition into its slice of ``grad_partitions_flat_buffer``. torch_xla
+    lowers every copy into a slice as a select over the whole buffer (pytorch/xla#4791), so a step
+    did (parameters x buffer) element operations, like ``contiguous_gradients`` in ZeRO-1/2. Here
+    the new buffer is concatenated from the partitions and the untouched spans and copied in once;
+    the per-parameter views DeepSpeed reads afterwards see the same values. Offloaded gradients
+    live in host memory and keep the upstream path. Relies on the buffer's layout, which ``__init__``
+    builds in ``fp16_groups`` order (``_flat_offsets``).
+    """
+
+    @functools.wraps(original)
+    def partition_grads(self, params_to_release, grad_partitions):
+        flat = self.grad_partitions_flat_buffer
+        if self.offload_optimizer or flat.device.type != "xla":
+            return original(self, params_to_release, grad_partitions)
+        import torch
+        offsets = _flat_offsets(self)
+        views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        accumulate = self.micro_step_id != 0
+        spans, buffers = [], []
+        for param, grad_partition in zip(params_to_release, grad_partitions):
+            param.grad = None
+            if param.partition_numel() * self._get_param_partition_rank(param) >= param.ds_numel:
+                continue  # this rank's partition of the parameter is padding only
+            self._offload_boundary_param_ids.add(param.ds_id)
+            numel, offset, view = grad_partition.numel(), offsets[param.ds_id], views[param.ds_id]
+            grad = grad_partition.to(flat.dtype)
+            if grad.dim() != 1:
+                grad = grad.reshape(-1)
+            if accumulate:
+                grad = flat.narrow(0, offset, numel) + grad
+            spans.append((offset, numel, grad))
+            buffers.append(view if view.numel() == numel else view.narrow(0, 0, numel))
+        # Tracing is the cost here (each op is host work): gaps of zero length add no piece.
+        pieces, end = [], 0
+        for offset, numel, grad in sorted(spans, key=lambda span: span[0]):
+            if offset > end:
+                pieces.append(flat.narrow(0, end, offset - end))
+            pieces.append(grad)
+            end = offset + numel
+        if end < flat.numel():
+            pieces.append(flat.narrow(0, end, flat.numel() - end))
+        if spans:
+            flat.copy_(torch.cat(pieces))
+        return buffers
+
+    return partition_grads
+
+
+def _flat_offsets(optimizer) -> dict:
+    """Each parameter's offset in ZeRO-3's flat gradient buffer (laid out in ``fp16_groups`` order)."""
+    offsets = getattr(optimizer, "_xla_grad_offsets", None)
+    if offsets is None:
+        offsets, offset = {}, 0
+        for group in optimizer.fp16_groups:
+            for param in group:
+                offsets[param.ds_id] = offset
+                offset += param.partition_numel()
+        optimizer._xla_grad_offsets = offsets
+    return offsets
+
+
+def stage3_fp32_grad_from_flat_buffer(original):
+    """ZeRO-3: hand the optimizer one copy of the sub-group's span of the flat gradient buffer.
+
+    Upstream concatenates the sub-group's gradient partitions, which are consecutive views of
+    ``grad_partitions_flat_buffer`` (``independent_gradient_partition_epilogue``): on XLA each view
+    read after the buffer's update replays its slice, and the concatenation rebuilds the same span
+    (host work per parameter, every step). Other gradient lists (frozen parameters' zeros,
+    offload) take the upstream path.
+    """
+
+    @functools.wraps(original)
+    def prepare_fp32_grad(self, sub_group_id):
+        span = _grad_buffer_span(self, sub_group_id)
+        fp32 = self.fp32_partitioned_groups_flat[sub_group_id]
+        if span is None or span.numel() != fp32.numel():
+            return original(self, sub_group_id)
+        fp32.grad = span.to(fp32.dtype, copy=True)
+        self.averaged_gradients[sub_group_id] = None
+
+    return prepare_fp32_grad
+
+
+def _grad_buffer_span(optimizer, sub_group_id):
+    """The span of ZeRO-3's flat gradient buffer whose views are the sub-group's averaged gradients, or None."""
+    flat, grads = optimizer.grad_partitions_flat_buffer, optimizer.averaged_gradients[sub_group_id]
+    params = optimizer.fp16_groups[sub_group_id]
+    if optimizer.offload_optimizer or flat.device.type != "xla" or not params or len(grads) != len(params):
+        return None
+    views = optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+    if any(grad is not views[param.ds_id] for grad, param in zip(grads, params)):
+        return None
+    return flat.narrow(0, _flat_offsets(optimizer)[params[0].ds_id], sum(grad.numel() for grad in grads))
+
+
+def stage3_grad_norm(original):
+    """ZeRO-3's gradient norm with the per-parameter norms in one ``_foreach_norm``.
+
+    Upstream traces three ops and a view replay per parameter (host work on XLA, every step); the
+    foreach form reduces each gradient alike, so the norms are the same. Model- and expert-parallel
+    runs and other norm types take the upstream path.
+    """
+
+    @functools.wraps(original)
+    def get_grad_norm_direct(self, gradients, params, norm_type=2):
+        if float(norm_type) != 2.0 or self.model_parallel_group is not None or self.model_parallel_rank != 0 \
+                or not gradients or any(grad.device.type != "xla" for grad in gradients) \
+                or self._autoep_expert_parallel_group(params) is not None:
+            return original(self, gradients, params, norm_type)
+        import torch
+        from deepspeed import comm as dist
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+        self._assert_same_partition_group(params)
+        norms = torch._foreach_norm([grad.to(get_norm_dtype()) for grad in gradients], 2.0)
+        total = torch.sum(torch.pow(torch.stack(norms), 2.0))
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._get_param_partition_group(params[0]))
+        total = total**0.5
+        invalid = total.isnan().logical_or(total.isinf())
+        return torch.where(invalid, torch.tensor(-1.0, device=self.device, dtype=torch.float), total)
+
+    return get_grad_norm_direct
+
+
+def _positional_apply(function_class) -> classmethod:
+    """``Function.apply`` that skips binding the arguments to ``forward``'s signature when all are given.
+
+    torch binds them with ``inspect.signature`` on every call of a Function defining ``setup_context``,
+    which costs host time (docs/performance.md, 'Why the patches exist'). ZeRO-3 applies such Functions
+    around every module's inputs and outputs and in every linear layer, each step; given every
+    ``forward`` argument positionally, the binding returns them unchanged. Any other call, and any
+    under torch.compile, takes torch's path.
+    """
+    import torch
+    from torch._functorch.utils import unwrap_dead_wrappers
+    arity = len(inspect.signature(function_class.forward).parameters)
+    full_apply = torch.autograd.Function.apply.__func__
+
+    def apply(cls, *args, **kwargs):
+        if kwargs or len(args) != arity or torch._C._are_functorch_transforms_active() \
+                or torch.compiler.is_compiling():
+            return full_apply(cls, *args, **kwargs)
+        return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
+
+    return classmethod(apply)
+
+
+def zero3_linear_apply(original):
+    """ZeRO-3's memory-efficient linear (``original`` is its bound ``apply``): ``_positional_apply``."""
+    return _positional_apply(original.__self__)
+
+
+def zero3_register_module(original):
+    """ZeRO-3's per-module backward hooks: their autograd Functions (created here, one pair per module)
+    get ``_positional_apply``."""
+
+    @functools.wraps(original)
+    def register_deepspeed_module(self, module, *args, **kwargs):
+        original(self, module, *args, **kwargs)
+        for name in ("pre_bwd_fn", "post_bwd_fn"):
+            function_class = module.__dict__.get(name)
+            if function_class is not None:
+                function_class.apply = _positional_apply(function_class)
+
+    return register_deepspeed_module
+
+
+def stage_1_and_2_has_overflow(original):
+    """ZeRO-1/2's bf16 overflow test (``check_grad_overflow``): left to the device when the norm covers it.
+
+    Upstream all-reduces a per-rank overflow flag and reads it. The global gradient norm, which
+    ``step_guard`` tests on the device, is inf or NaN whenever any gradient is, so with
+    ``compute_grad_norm`` on (the default) the flag adds only a collective and a host read.
+    """
+
+    @functools.wraps(original)
+    def has_overflow(self, partition_gradients=True):
+        if self.compute_grad_norm and not self.cpu_offload:  # patched only under the XLA accelerator
+            return False
+        return original(self, partition_gradients)
+
+    return has_overflow
