@@ -5,7 +5,7 @@
 
 DeepSpeed has no plugin mechanism and captures its accelerator while ``import deepspeed`` is still
 running, so the only reliable moment to register is right after ``real_accelerator``'s module body
-ran. A ``sys.meta_path`` finder wraps that module and the few that ``patches.py`` touches (``_AFTER_IMPORT``).
+ran. A ``sys.meta_path`` finder wraps that module and the few that ``patches/`` touches (``_AFTER_IMPORT``).
 Nothing here imports torch or deepspeed:
 this file costs every Python process a few stat calls and must stay that cheap (only os/sys).
 """

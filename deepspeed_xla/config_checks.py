@@ -1,6 +1,6 @@
 """DeepSpeed config settings that cannot run on this XLA device, refused with one error that names the fix.
 
-``patches.py`` calls ``check_config`` while DeepSpeed parses the config (``DeepSpeedConfig``, inside
+``patches/config.py`` calls ``check_config`` while DeepSpeed parses the config (``DeepSpeedConfig``, inside
 ``deepspeed.initialize``), before the engine builds anything or touches the device, so a bad setting
 costs the user no compilation. Settings that work are left alone: offloading to ``cpu`` (DeepSpeed's host
 optimizers update host copies of the XLA parameters), and ``nvme`` under ZeRO-1/2, which DeepSpeed

@@ -210,8 +210,8 @@ def graph_counters() -> dict:
 
 def _device_type(tensor) -> str:
     """The tensor's device type; the empty string for a tensor torn down under the scan ("tensor does not
-    have a device"; seen once in a 4-rank pipeline run since the host staging uses DLPack tensors): it
-    holds no buffer any more."""
+    have a device": a DLPack tensor of the host staging being freed on another thread), which holds no
+    buffer any more."""
     try:
         return tensor.device.type
     except RuntimeError:

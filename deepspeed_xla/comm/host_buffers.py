@@ -1,9 +1,9 @@
 """Host buffers that gloo writes collective results into, reused when large.
 
 glibc serves an allocation over 32 MB (its largest mmap threshold) with fresh pages every time, and
-faulting them in costs several times the copy into warm memory (64 MB on 2 CPU cores: 34 ms against
-4). A fresh buffer per 64 MB all-reduce held the host-staged all-reduce at about half of gloo's
-bandwidth. So large buffers are kept and handed out again once nothing else uses their memory: on
+faulting them in costs several times the copy into warm memory: a fresh buffer per large all-reduce
+held the host-staged all-reduce at about half of gloo's bandwidth (docs/performance.md, "Figures
+behind the code"). So large buffers are kept and handed out again once nothing else uses their memory: on
 PJRT CPU the XLA tensor that adopted a buffer (``xla_runtime.device_alias``) holds it through DLPack
 until torch_xla drops that device buffer, and that shows in the storage's use count.
 

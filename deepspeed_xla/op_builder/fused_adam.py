@@ -7,8 +7,8 @@ adam_w_mode, bias_correction, weight_decay)``. The per-step numbers enter the gr
 
 Tracing, not the device, bounds a small model's step, so the update is built from out-of-place
 foreach ops and written back with one copy per list: torch_xla traces an in-place foreach op several
-times slower than an out-of-place one, and ``addcmul_`` slower still (5.7 ms against 0.1 ms for 30
-tensors on 2 CPU cores).
+times slower than an out-of-place one, and ``addcmul_`` slower still (docs/performance.md, "Figures
+behind the code").
 """
 import math
 
