@@ -1,7 +1,7 @@
 """Every run-time change to DeepSpeed internals, in one table, each guarded by the version it was written for.
 
 The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
-the XLA accelerator is active. ``tests/test_patches.py`` fails when an upstream target changes.
+the XLA accelerator is active. ``tests/patches/test_table.py`` fails when an upstream target changes.
 The wrappers live in one module per DeepSpeed subsystem they patch (``engine``, ``zero``,
 ``precision``, ``grad_checks``, ``config``, ``launcher``); ``registry`` defines ``Patch`` and how a
 patch is checked and applied. Their figures: (docs/performance.md, 'Why the patches exist').

@@ -1,0 +1,39 @@
+"""``patches/engine.py``: the engine moves the user's Parameters and fits ZeRO's buffers to XLA."""
+import pytest
+import torch
+
+from deepspeed_xla import patches
+
+
+def test_keep_parameter_objects_preserves_identity():
+    import torch_xla
+    model = torch.nn.Linear(3, 2)
+    before = list(model.parameters())
+    with patches.engine.keep_parameter_objects():
+        model.to(torch_xla.device())
+    assert all(a is b for a, b in zip(before, model.parameters()))
+    assert model.weight.device.type == "xla"
+
+
+def _configure_zero(zero_config: dict, module=None, has_moe_layers=False):
+    """Run the ``_configure_zero_optimizer`` patch on an engine stand-in; returns DeepSpeed's parsed ZeRO config."""
+    from types import SimpleNamespace
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    zero = DeepSpeedZeroConfig(**zero_config)
+    engine = SimpleNamespace(module=module or torch.nn.Linear(8, 1), has_moe_layers=has_moe_layers,
+                             _config=SimpleNamespace(zero_config=zero))
+    patches.engine.configure_zero_optimizer(lambda self, optimizer: None)(engine, None)
+    return zero
+
+
+def test_capped_bucket_sizes_stay_even():
+    """ZeRO-1/2 assert an even all-gather bucket: a model with an odd parameter count (9) gets 10, not 9."""
+    zero = _configure_zero({"stage": 2})
+    assert zero.reduce_bucket_size == zero.allgather_bucket_size == zero.prefetch_bucket_size == 10
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_contiguous_gradients_off_unless_the_config_sets_it(stage):
+    assert _configure_zero({"stage": stage}).contiguous_gradients is False
+    assert _configure_zero({"stage": stage, "contiguous_gradients": True}).contiguous_gradients is True
+    assert _configure_zero({"stage": stage}, has_moe_layers=True).contiguous_gradients is True  # ZeRO-2 MoE needs it
