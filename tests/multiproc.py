@@ -2,6 +2,7 @@
 through the real ``deepspeed`` CLI with its per-step losses read back."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,11 +21,57 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def start_command(cmd, **popen_kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` in a new session: the command and everything it starts (the deepspeed runner, its
+    launcher, the workers) form one process group, which ``kill_group`` ends."""
+    return subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``start_command`` started (what is left of it), then reap its leader."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the whole group has already exited
+    proc.wait()
+
+
+def run_command(cmd, timeout: float, *, input: Optional[str] = None, **popen_kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)``, started by ``start_command``.
+
+    On timeout the whole process group is killed before ``TimeoutExpired`` is raised (``subprocess.run`` kills
+    only the command itself, leaving a launcher's workers running); after a normal exit, anything the command
+    left behind in its group is killed too.
+    """
+    proc = start_command(cmd, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kwargs)
+    try:
+        out, err = proc.communicate(input, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    finally:
+        kill_group(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_python(code: str, *args: str, cwd=None, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    """``python -c code args`` in ``clean_env(**env)``, through ``run_command``."""
+    return run_command([sys.executable, "-c", code, *args], timeout, cwd=cwd, env=clean_env(**env))
+
+
+def last_error(proc: subprocess.CompletedProcess) -> str:
+    """The last line of a failed command's stderr: where Python and the deepspeed runner put the error."""
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    return proc.stderr.strip().splitlines()[-1]
+
+
 def start_ranks(target: str, world_size: int, env: Optional[dict] = None) -> Tuple[list, list]:
     """Start ``target`` ("module:function", importable from the repo root) once per rank, env:// rendezvous.
 
-    Returns the processes and their (stdout, stderr) files: files, not pipes, since a rank blocked on a
-    full pipe would stall its peers.
+    Returns the processes (each in its own session: ``kill_group`` ends it) and their (stdout, stderr) files:
+    files, not pipes, since a rank blocked on a full pipe would stall its peers.
     """
     module, function = target.split(":")
     code = f"import importlib; importlib.import_module({module!r}).{function}()"
@@ -36,7 +83,7 @@ def start_ranks(target: str, world_size: int, env: Optional[dict] = None) -> Tup
         rank_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), rank_env.get("PYTHONPATH")]))
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         logs.append((out, err))
-        procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=rank_env, stdout=out, stderr=err))
+        procs.append(start_command([sys.executable, "-c", code], cwd=REPO, env=rank_env, stdout=out, stderr=err))
     return procs, logs
 
 
@@ -55,9 +102,9 @@ def run_ranks(target: str, world_size: int, env: Optional[dict] = None,
             note = ""
         except subprocess.TimeoutExpired:
             for other in procs:
-                other.kill()
-            proc.wait()
+                kill_group(other)
             note = f"\n[rank {rank} killed: the ranks did not finish within {timeout:.0f} s]"
+        kill_group(proc)
         out.seek(0)
         err.seek(0)
         results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read() + note))
@@ -118,7 +165,7 @@ def run_training(workdir: Path, accelerator: Optional[str], config: dict, num_pr
     """
     cmd, env, out = training_command(workdir, accelerator, config, num_procs, steps, extra_env, train_args)
     try:
-        proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = run_command(cmd, timeout, cwd=workdir, env=env)
     finally:
         remove_cpu_comm_buffers(cmd[cmd.index("--master_port") + 1])
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
