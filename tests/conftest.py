@@ -81,3 +81,9 @@ def train_module():
     from deepspeed_xla.bench import _load_train_module
     return _load_train_module(str(REPO / "scripts" / "train.py"))
 
+
+@pytest.fixture(scope="session")
+def trainings(tmp_path_factory):
+    """``tests.multiproc.Trainings``: ``scripts/train.py`` runs that tests share (each distinct run once a session)."""
+    from tests.multiproc import Trainings
+    return Trainings(tmp_path_factory.mktemp("trainings"))
