@@ -191,16 +191,18 @@ def plot_losses(losses, first_step: int, title: str, path: str) -> None:
 
 
 def write_results(engine, losses, path: str, counters: dict, first_step: int = 0, measured=None) -> None:
-    """Per-step losses (from ``first_step``), trained weights, XLA graph counters and ``measurements`` as JSON
-    (rank r>0 at ``path.rank<r>``)."""
+    """Per-step losses (from ``first_step``), trained weights (as floats, with the dtype each is held in), XLA graph
+    counters and ``measurements`` as JSON (rank r>0 at ``path.rank<r>``)."""
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
         weights = {name: p.detach().float().cpu().tolist() for name, p in engine.module.named_parameters()}
+        dtypes = {name: str(p.dtype).removeprefix("torch.") for name, p in engine.module.named_parameters()}
     rank = engine.global_rank
     with open(path if rank == 0 else f"{path}.rank{rank}", "w") as handle:
         json.dump({"losses": losses, "first_step": first_step, "world_size": engine.world_size, "rank": rank,
                    "counters": counters, "skipped_steps": engine.skipped_steps,
-                   "accelerator": get_accelerator().device_name(), "params": weights, **(measured or {})}, handle)
+                   "accelerator": get_accelerator().device_name(), "params": weights, "param_dtypes": dtypes,
+                   **(measured or {})}, handle)
 
 
 def main():

@@ -1,7 +1,10 @@
 """Shared fixtures. Everything runs on real XLA with PJRT CPU; processes that must stay free of the
 XLA runtime (launchers, startup hook checks) run as subprocesses."""
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,9 +29,29 @@ _SCRUB = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS
           "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 
 
+# Each launched run gets an empty HOME of its own (removed at exit), so that a developer's ~/.deepspeed_env (or
+# any other dotfile) cannot change what a test sees. What the runs do need from the real HOME is passed by location:
+# caches (pip's, matplotlib's, torch's) under XDG_CACHE_HOME, DeepSpeed's JIT-built ops in TORCH_EXTENSIONS_DIR (one
+# per venv, as scripts/setup_env.sh sets it), pip's own configuration (its index) through PIP_CONFIG_FILE.
+_HOMES = Path(tempfile.mkdtemp(prefix="dsx-test-homes-"))
+atexit.register(shutil.rmtree, _HOMES, ignore_errors=True)
+_REAL_HOME = Path.home()
+_KEPT_FROM_HOME = {
+    "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME") or str(_REAL_HOME / ".cache"),
+    "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or str(VENV_BIN.parent / "torch_extensions"),
+}
+_PIP_CONFIG = next((path for path in (Path(os.environ.get("XDG_CONFIG_HOME") or _REAL_HOME / ".config") / "pip" /
+                                      "pip.conf", _REAL_HOME / ".pip" / "pip.conf") if path.is_file()), None)
+if _PIP_CONFIG and "PIP_CONFIG_FILE" not in os.environ:
+    _KEPT_FROM_HOME["PIP_CONFIG_FILE"] = str(_PIP_CONFIG)
+
+
 def clean_env(**overrides) -> dict:
-    """A child environment with no launcher/XLA state, PJRT CPU, and the venv's tools first on PATH."""
+    """A child environment with no launcher/XLA state, PJRT CPU, the venv's tools first on PATH and a fresh,
+    empty HOME (``HOME=`` in ``overrides`` picks another)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB}
+    env.update(_KEPT_FROM_HOME)
+    env["HOME"] = tempfile.mkdtemp(dir=_HOMES)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PJRT_DEVICE"] = "CPU"
     env["PYTHONUNBUFFERED"] = "1"
@@ -57,3 +80,10 @@ def train_module():
     """``scripts/train.py`` as a module (its TinyGPT), loaded without running it."""
     from deepspeed_xla.bench.example import load_example
     return load_example(str(REPO / "scripts" / "train.py"))
+
+
+@pytest.fixture(scope="session")
+def trainings(tmp_path_factory):
+    """``tests.multiproc.Trainings``: ``scripts/train.py`` runs that tests share (each distinct run once a session)."""
+    from tests.multiproc import Trainings
+    return Trainings(tmp_path_factory.mktemp("trainings"))

@@ -1,11 +1,15 @@
 """XLA_Accelerator against DeepSpeed's accelerator interface, on a real PJRT CPU device."""
+import importlib
 import inspect
 
 import pytest
 import torch
+from torch.utils.cpp_extension import BuildExtension
 
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
-from deepspeed_xla.accelerator import XLA_Accelerator
+from deepspeed_xla import xla_runtime
+from deepspeed_xla.accelerator import XLA_Accelerator, _seed_to_state
+from deepspeed_xla.op_builder import FusedAdamBuilder
 
 
 @pytest.fixture(scope="module")
@@ -13,46 +17,111 @@ def accel():
     return XLA_Accelerator()
 
 
-def _arguments(accel, name):
-    """Meaningful arguments for each abstract member, by name."""
-    xla_tensor = torch.ones(3, device=accel.device())
-    table = {
-        "device_name": (0, ),
-        "device": (0, ),
-        "set_device": ("0", ),
-        "set_rng_state": (accel.get_rng_state(), ),
-        "manual_seed": (7, ),
-        "manual_seed_all": (7, ),
-        "default_generator": (0, ),
-        "stream": (None, ),
-        "range_push": ("region", ),
-        "lazy_call": (lambda: 42, ),
-        "capture_to_graph": (None, ),
-        "replay_graph": (None, ),
-        "on_accelerator": (xla_tensor, ),
-        "create_op_builder": ("FusedAdamBuilder", ),
-        "get_op_builder": ("FusedAdamBuilder", ),
-        "set_visible_devices_envs": ({}, [0, 1]),
-        "set_compile_backend": ("openxla", ),
-        "register_host_memory": (0, 0),
-        "unregister_host_memory": (0, ),
-    }
-    return table.get(name, ())
+def _is_context_manager(value) -> bool:
+    with value:
+        return True
+
+
+def _xla_tensor_factory(dtype):
+    return lambda factory, accel: ((t := factory([1, 2])).device.type, t.dtype, t.cpu().tolist()) == ("xla", dtype,
+                                                                                                       [1, 2])
+
+
+def _seed_set(seed):
+    return lambda result, accel: (result is None and torch.initial_seed() == seed
+                                  and int.from_bytes(bytes(accel.get_rng_state().tolist()), "little") == seed)
+
+
+# Every abstract member of DeepSpeed's accelerator interface: (arguments, or a function of the accelerator giving
+# them; what the result must satisfy). Details of several are tested below; here each member must give a result
+# DeepSpeed can use, not only "not raise".
+MEMBERS = {
+    "BFloat16Tensor": ((), _xla_tensor_factory(torch.bfloat16)),
+    "ByteTensor": ((), _xla_tensor_factory(torch.uint8)),
+    "DoubleTensor": ((), _xla_tensor_factory(torch.float64)),
+    "FloatTensor": ((), _xla_tensor_factory(torch.float32)),
+    "HalfTensor": ((), _xla_tensor_factory(torch.float16)),
+    "IntTensor": ((), _xla_tensor_factory(torch.int32)),
+    "LongTensor": ((), _xla_tensor_factory(torch.int64)),
+    "Event": ((), lambda result, accel: result is None),
+    "Stream": ((), lambda result, accel: result is None),
+    "available_memory": ((), lambda result, accel: 0 < result <= accel.total_memory()),
+    "build_extension": ((), lambda result, accel: result is BuildExtension),
+    "capture_to_graph": ((None, ), lambda result, accel: _is_context_manager(result)),
+    "communication_backend_name": ((), lambda result, accel: result == "xla_host"),
+    "create_graph": ((), lambda result, accel: result is None),
+    "create_op_builder": (("FusedAdamBuilder", ), lambda result, accel: isinstance(result, FusedAdamBuilder)),
+    "current_device": ((), lambda result, accel: result == torch.device("xla", 0)),
+    "current_device_name": ((), lambda result, accel: result == "xla:0"),
+    "current_stream": ((), lambda result, accel: result is None),
+    "default_generator": ((0, ), lambda result, accel: torch.equal(result.get_state(), accel.get_rng_state())),
+    "default_stream": ((), lambda result, accel: result is None),
+    "device": ((0, ), lambda result, accel: result == torch.device("xla", 0)),
+    "device_count": ((), lambda result, accel: result == xla_runtime.xr().addressable_runtime_device_count()),
+    "device_name": ((0, ), lambda result, accel: result == "xla:0"),
+    "empty_cache": ((), lambda result, accel: result is None),
+    "export_envs": ((), lambda result, accel: {"PJRT_", "XLA_"} <= set(result)),
+    "get_compile_backend": ((), lambda result, accel: result == "openxla"),
+    "get_op_builder": (("FusedAdamBuilder", ), lambda result, accel: result is FusedAdamBuilder),
+    "get_rng_state": ((), lambda result, accel: result.dtype == torch.uint8 and result.shape == (8, )),
+    "handles_memory_backpressure": ((), lambda result, accel: result is True),
+    "initial_seed": ((), lambda result, accel: result == torch.initial_seed()),
+    "is_available": ((), lambda result, accel: result is True),
+    "is_bf16_supported": ((), lambda result, accel: result is True),
+    "is_fp16_supported": ((), lambda result, accel: result is False),
+    "is_synchronized_device": ((), lambda result, accel: result is True),
+    "is_triton_supported": ((), lambda result, accel: result is False),
+    "lazy_call": ((lambda: 42, ), lambda result, accel: result == 42),
+    "manual_seed": ((7, ), _seed_set(7)),
+    "manual_seed_all": ((8, ), _seed_set(8)),
+    "max_memory_allocated": ((), lambda result, accel: result >= accel.memory_allocated() > 0),
+    "max_memory_cached": ((), lambda result, accel: result >= accel.memory_cached() > 0),
+    "max_memory_reserved": ((), lambda result, accel: result >= accel.memory_reserved() > 0),
+    "memory_allocated": ((), lambda result, accel: isinstance(result, int) and result > 0),
+    "memory_cached": ((), lambda result, accel: isinstance(result, int) and result > 0),
+    "memory_reserved": ((), lambda result, accel: isinstance(result, int) and result > 0),
+    "memory_stats": ((), lambda result, accel: result["num_alloc_retries"] == 0
+                     and result["allocated_bytes.all.peak"] >= result["allocated_bytes.all.current"] > 0),
+    "on_accelerator": (lambda accel: (torch.ones(1, device=accel.device()), ),
+                       lambda result, accel: result is True and accel.on_accelerator(torch.ones(1)) is False),
+    "op_builder_dir": ((), lambda result, accel: importlib.import_module(result).FusedAdamBuilder is FusedAdamBuilder),
+    "random": ((), lambda result, accel: result is torch.random),
+    "range_pop": ((), lambda result, accel: result is None),
+    "range_push": (("region", ), lambda result, accel: result is None),
+    "replay_graph": ((None, ), lambda result, accel: result is None),
+    "reset_max_memory_allocated": ((), lambda result, accel: result is None),
+    "reset_max_memory_cached": ((), lambda result, accel: result is None),
+    "reset_peak_memory_stats": ((), lambda result, accel: result is None),
+    "resolves_data_dependency": ((), lambda result, accel: result is True),
+    "set_compile_backend": (("openxla", ), lambda result, accel: result is None and accel.get_compile_backend() == "openxla"),
+    "set_device": (("0", ), lambda result, accel: result is None and accel.current_device_name() == "xla:0"),
+    "set_rng_state": ((_seed_to_state(99), ),
+                      lambda result, accel: result is None and torch.equal(accel.get_rng_state(), _seed_to_state(99))),
+    "set_visible_devices_envs": (({}, [0, 1]), lambda result, accel: result is None),
+    "stream": ((None, ), lambda result, accel: _is_context_manager(result)),
+    "supported_dtypes": ((), lambda result, accel: result == [torch.float32, torch.bfloat16]),
+    "synchronize": ((), lambda result, accel: result is None),
+    "total_memory": ((), lambda result, accel: result >= accel.available_memory() > 0),
+    "use_host_timers": ((), lambda result, accel: result is True),
+    "visible_devices_envs": ((), lambda result, accel: isinstance(result, list) and len(result) == 1
+                             and isinstance(result[0], str)),
+}
 
 
 def test_every_abstract_member_works(accel):
+    """Each member of DeepSpeed's interface is implemented and returns what DeepSpeed expects of it."""
     abstract = sorted(DeepSpeedAccelerator.__abstractmethods__)
     assert len(abstract) >= 60
+    assert sorted(MEMBERS) == abstract, "MEMBERS must list exactly DeepSpeed's abstract members"
     for name in abstract:
         member = inspect.getattr_static(XLA_Accelerator, name)
         assert getattr(member, "__isabstractmethod__", False) is False, f"{name} is not implemented"
+        arguments, check = MEMBERS[name]
         value = getattr(accel, name)
-        if isinstance(member, property):
-            continue
-        try:
-            value(*_arguments(accel, name))
-        except NotImplementedError as exc:
-            pytest.fail(f"{name} raised NotImplementedError: {exc}")
+        if callable(arguments):
+            arguments = arguments(accel)
+        result = value if isinstance(member, property) else value(*arguments)
+        assert check(result, accel), f"{name}{arguments} returned {result!r}"
 
 
 def test_device_naming(accel):

@@ -1,7 +1,8 @@
 """docs/bad_input.md, row by row: each misconfiguration either works or fails with one error that names the fix.
 
-Rows already covered by tests/test_errors.py (unknown PJRT_DEVICE, malformed .deepspeed_env, the worker-side
-checks) are referenced from the table, not repeated. Config rows parse a ``DeepSpeedConfig`` in this process:
+Rows covered by tests/test_errors.py (unknown PJRT_DEVICE, malformed .deepspeed_env, the device used before the
+per-process setup) are referenced from the table, not repeated; a launcher's check and the worker's that gives the
+same error are one test. Config rows parse a ``DeepSpeedConfig`` in this process:
 that is where ``deepspeed.initialize`` refuses them, before it touches the device.
 """
 import base64
@@ -15,10 +16,11 @@ from pathlib import Path
 import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
+from deepspeed_xla import xla_runtime
 from deepspeed_xla.devices.tpu import TpuDevice, one_chip_env
 from tests.conftest import REPO, VENV_BIN, clean_env
 from tests.devices.test_tpu import _fake_metadata
-from tests.multiproc import free_port, max_abs_diff
+from tests.multiproc import free_port, last_error, run_command, run_python, within
 
 
 def _config(**settings) -> dict:
@@ -26,12 +28,7 @@ def _config(**settings) -> dict:
 
 
 def _run(cmd, cwd, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=300)
-
-
-def _last_error(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode != 0, proc.stdout[-3000:]
-    return proc.stderr.strip().splitlines()[-1]
+    return run_command(cmd, 300, cwd=cwd, env=clean_env(**env))
 
 
 def _launch_host(tmp_path, hosts=None, **env) -> subprocess.CompletedProcess:
@@ -61,6 +58,8 @@ OFFLOAD_SCRIPT = """
 import json, sys, torch, deepspeed
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+STEPS = int(sys.argv[2])
+
 def run(zero, client_cpu_adam=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
@@ -72,14 +71,16 @@ def run(zero, client_cpu_adam=False):
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(engine.device)
     losses = []
     try:
-        for _ in range(2):
+        for _ in range(STEPS):
             loss = engine(x).pow(2).mean()
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
     except AssertionError as exc:
         return {"error": str(exc)}
-    return {"losses": losses, "optimizer": type(engine.basic_optimizer).__name__}
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=zero["stage"] == 3):
+        weights = [p.detach().float().cpu().flatten().tolist() for p in engine.module.parameters()]
+    return {"losses": losses, "weights": weights, "optimizer": type(engine.basic_optimizer).__name__}
 
 cpu = {"device": "cpu"}
 results = {"reference": run({"stage": 2}),
@@ -91,21 +92,32 @@ with open(sys.argv[1], "w") as handle:
 """
 
 
+# Adam's first step is lr x sign(gradient) whatever its moments hold: 8 steps make the moments, bias corrections and
+# step count that the offloaded DeepSpeedCPUAdam keeps on the host decide the weights.
+OFFLOAD_STEPS = 8
+
+
 @pytest.fixture(scope="module")
 def offload_runs(tmp_path_factory):
-    """One process, four tiny engines (2 steps each): it loads DeepSpeed's CPU Adam once for both tests."""
+    """One process, four tiny engines (``OFFLOAD_STEPS`` steps each): it loads DeepSpeed's CPU Adam once for both
+    tests."""
     out = tmp_path_factory.mktemp("offload") / "results.json"
-    proc = _run([sys.executable, "-c", OFFLOAD_SCRIPT, str(out)], out.parent, DS_ACCELERATOR="xla")
+    proc = _run([sys.executable, "-c", OFFLOAD_SCRIPT, str(out), str(OFFLOAD_STEPS)], out.parent, DS_ACCELERATOR="xla")
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(out.read_text())
 
 
 def test_offload_to_cpu_trains_like_no_offload(offload_runs):
-    reference = offload_runs["reference"]["losses"]
-    assert reference[-1] < reference[0], "the reference did not train"
+    """ZeRO-2 and ZeRO-3 with the optimizer (and ZeRO-3's parameters) offloaded: DeepSpeed's CPU Adam on host copies
+    gives the same losses and weights as the same engine's AdamW on XLA without offload."""
+    reference = offload_runs["reference"]
+    assert reference["optimizer"] == "FusedAdam" and len(reference["losses"]) == OFFLOAD_STEPS
+    assert reference["losses"][-1] < reference["losses"][0], "the reference did not train"
     for run in ("zero2_offload", "zero3_offload"):
         assert offload_runs[run]["optimizer"] == "DeepSpeedCPUAdam", run
-        assert max_abs_diff(offload_runs[run]["losses"], reference) <= 1e-5, run
+        assert within(offload_runs[run]["losses"], reference["losses"], atol=1e-5, rtol=0), run
+        for mine, theirs in zip(offload_runs[run]["weights"], reference["weights"], strict=True):
+            assert within(mine, theirs, atol=1e-5, rtol=1e-4), run
 
 
 def test_nvme_offload_names_cpu():
@@ -128,17 +140,28 @@ def test_cpu_only_optimizer_on_xla_params_names_offload(offload_runs):
     assert "'offload_optimizer': 'cpu'" in offload_runs["cpu_adam_on_xla"]["error"]
 
 
-def _assert_too_many_processes(proc: subprocess.CompletedProcess) -> None:
-    error = _last_error(proc)
-    assert "3 processes were requested on this host but it has 2 CPU device(s)" in error
-    assert "deepspeed --num_gpus 2 or fewer (in a hostfile: slots=2 or fewer" in error and "CPU_NUM_DEVICES" in error
+TOO_MANY = ("3 processes were requested on this host but it has 2 CPU device(s): launch with deepspeed --num_gpus 2 "
+            "or fewer (in a hostfile: slots=2 or fewer for this host), ")
+
+
+def _assert_too_many_processes(proc: subprocess.CompletedProcess) -> str:
+    """The launcher's error for 3 processes on 2 devices, before any worker started; returns it."""
+    error = last_error(proc)
+    assert TOO_MANY in error and "CPU_NUM_DEVICES" in error.split(TOO_MANY)[1]
     _assert_no_worker(proc)
+    return error
 
 
 def test_num_gpus_above_device_count_stops_the_launcher(tmp_path):
+    """Also a worker that MPI, Slurm or torchrun started directly: the same error at its first device use."""
     (tmp_path / "train.py").write_text("print('worker ran')\n")
-    _assert_too_many_processes(_run([str(VENV_BIN / "deepspeed"), "--num_gpus", "3", "--master_port", str(free_port()),
-                                     "train.py"], tmp_path, DS_ACCELERATOR="xla", CPU_NUM_DEVICES=2, HOME=tmp_path))
+    error = _assert_too_many_processes(_run([str(VENV_BIN / "deepspeed"), "--num_gpus", "3", "--master_port",
+                                             str(free_port()), "train.py"], tmp_path, DS_ACCELERATOR="xla",
+                                            CPU_NUM_DEVICES=2, HOME=tmp_path))
+    worker = run_python("import deepspeed\nfrom deepspeed.accelerator import get_accelerator\n"
+                        "get_accelerator().set_device(0)\n", DS_ACCELERATOR="xla", LOCAL_RANK=0, LOCAL_SIZE=3,
+                        CPU_NUM_DEVICES=2)
+    assert error[error.index(TOO_MANY):] in last_error(worker)
 
 
 def test_hostfile_slots_above_device_count_stop_that_hosts_launcher(tmp_path):
@@ -169,7 +192,23 @@ def test_single_tpu_process_takes_one_chip_like_torch_xla(monkeypatch):
         one_chip_env(0, tpu_version=4, hosts=4)
 
 
-def test_missing_torch_xla_stops_the_launcher(tmp_path):
+def _worker_import_error(monkeypatch, versions: dict) -> str:
+    """The ImportError a worker gets from deepspeed_xla's torch_xla import with these installed versions (None:
+    not installed), as a worker started without ``launch.py`` would."""
+
+    def version(name):
+        if versions.get(name, "2.9.0") is None:
+            raise xla_runtime.metadata.PackageNotFoundError(name)
+        return versions.get(name, "2.9.0")
+
+    monkeypatch.setattr(xla_runtime.metadata, "version", version)
+    with pytest.raises(ImportError) as raised:
+        xla_runtime.torch_xla.__wrapped__()
+    return str(raised.value)
+
+
+def test_missing_torch_xla_stops_the_launcher(tmp_path, monkeypatch):
+    """The launcher stops before starting workers; a worker started without it raises the same text."""
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(
@@ -183,19 +222,24 @@ def test_missing_torch_xla_stops_the_launcher(tmp_path):
         "metadata.Distribution.discover = classmethod(lambda cls, **kw: iter(()) "
         "if kw.get('name', '').replace('-', '_') == 'torch_xla' else _discover(**kw))\n")
     proc = _launch_host(tmp_path, DS_ACCELERATOR="xla", PYTHONPATH=shim)
-    error = _last_error(proc)
+    error = last_error(proc)
     assert "DS_ACCELERATOR=xla needs torch_xla installed: pip install torch==2.9.0 torch_xla==2.9.0" in error
     _assert_no_worker(proc)
+    assert error.endswith(_worker_import_error(monkeypatch, {"torch_xla": None}))
 
 
-def test_mismatched_torch_xla_stops_the_launcher(tmp_path):
+def test_mismatched_torch_xla_stops_the_launcher(tmp_path, monkeypatch):
+    """The launcher stops before starting workers; a worker started without it raises the same text."""
     fake = tmp_path / "fake" / "torch_xla-2.8.0.dist-info"
     fake.mkdir(parents=True)
     (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_xla\nVersion: 2.8.0\n")
     proc = _launch_host(tmp_path, DS_ACCELERATOR="xla", PYTHONPATH=fake.parent)
-    assert "and torch_xla 2.8.0 are not a matching pair" in _last_error(proc)
-    assert "pip install torch==2.8.0 or torch_xla==2.9.0" in _last_error(proc)
+    error = last_error(proc)
+    assert "and torch_xla 2.8.0 are not a matching pair" in error
+    assert "pip install torch==2.8.0 or torch_xla==2.9.0" in error
     _assert_no_worker(proc)
+    torch_version = re.search(r"torch (\S+) and torch_xla 2\.8\.0", error)[1]  # the installed torch
+    assert error.endswith(_worker_import_error(monkeypatch, {"torch": torch_version, "torch_xla": "2.8.0"}))
 
 
 def test_train_batch_size_mismatch_names_the_product(monkeypatch):
@@ -223,7 +267,7 @@ PLAIN_PYTHON = ("import torch, deepspeed\n"
 ], ids=["config-for-2-processes", "WORLD_SIZE-exported"])
 def test_plain_python_with_world_size_above_one(tmp_path, env, expected):
     proc = _run([sys.executable, "-c", PLAIN_PYTHON], tmp_path, DS_ACCELERATOR="xla", **env)
-    assert expected in _last_error(proc)
+    assert expected in last_error(proc)
 
 
 def test_every_row_of_the_table_names_a_test_that_exists():

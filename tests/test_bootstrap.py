@@ -4,11 +4,11 @@ import subprocess
 import sys
 
 from tests.conftest import clean_env
+from tests.multiproc import run_command, run_python
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(**env), capture_output=True, text=True,
-                          timeout=300)
+    proc = run_python(code, **env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -57,8 +57,8 @@ def test_hook_imports_neither_torch_nor_deepspeed_and_is_cheap():
     assert json.loads(proc.stdout) == []
     costs = []
     for _ in range(3):
-        trace = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], env=clean_env(DS_ACCELERATOR="xla"),
-                               capture_output=True, text=True, timeout=60).stderr
+        trace = run_command([sys.executable, "-X", "importtime", "-c", "pass"], 60,
+                            env=clean_env(DS_ACCELERATOR="xla")).stderr
         hook = [line for line in trace.splitlines() if line.split("|")[-1].strip().startswith("deepspeed_xla")]
         assert any(line.rstrip().endswith("deepspeed_xla.bootstrap") for line in hook), "hook did not run:\n" + trace
         costs.append(sum(int(line.split("|")[1]) for line in hook))  # cumulative microseconds

@@ -1,13 +1,13 @@
 """Checkpoints on XLA: stop and resume exactly, files that load without torch_xla, ``latest`` that
 survives a rank dying mid-save.
 
-Each resume test is two 2-rank runs through the ``deepspeed`` CLI: 20 steps saving at step 10, then a
-fresh job that loads that checkpoint, trains steps 10-19 and saves at step 20. The second job must
-repeat the first one's losses and weights exactly (the same XLA graphs on the same values).
+Each resume test is two 2-rank runs through the ``deepspeed`` CLI: 20 steps saving at step 3 (the run the parity
+tests compare with the CPU accelerator), then a fresh job that loads that checkpoint, trains steps 3-19 and saves at
+step 20. The second job must repeat the first one's losses and weights exactly (the same XLA graphs on the same
+values).
 """
 import json
 import shutil
-import subprocess
 import sys
 from collections import OrderedDict, namedtuple
 from pathlib import Path
@@ -17,10 +17,12 @@ import torch
 
 from deepspeed_xla import checkpoint, xla_runtime
 from tests.conftest import clean_env
-from tests.multiproc import ds_config, run_training, training_command
+from tests.multiproc import (TWO_RANK_RUN, assert_trains_like, ds_config, ranks, run_command, run_training,
+                             training_command)
 
 HERE = Path(__file__).parent
 PIPELINE = ("--pipeline-stages", "2")
+RESUMED_AT = TWO_RANK_RUN["save_at"][0]
 CONFIGS = {
     "zero1": (ds_config(1), ()),
     "zero2": (ds_config(2), ()),
@@ -97,31 +99,31 @@ def test_write_latest_replaces_the_tag_atomically(tmp_path):
 
 def load_without_torch_xla(folder: Path, zero_tag: str = "") -> dict:
     env = clean_env(DS_ACCELERATOR="cpu", PYTHONPATH=HERE / "no_torch_xla")
-    proc = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_XLA, str(folder), zero_tag], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_command([sys.executable, "-c", LOAD_WITHOUT_XLA, str(folder), zero_tag], 300, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def train_and_resume(workdir: Path, name: str) -> dict:
-    """The uninterrupted run (saving at step 10) and the resumed one (saving at step 20)."""
+def train_and_resume(trainings, workdir: Path, name: str) -> dict:
+    """The uninterrupted run (saving at step ``RESUMED_AT``: shared with the parity tests) and the resumed one
+    (saving at step 20)."""
     config, args = CONFIGS[name]
-    first, last = workdir / "at10", workdir / "at20"
-    full = run_training(workdir / "full", "xla", config, num_procs=2, steps=20,
-                        train_args=(*args, "--save-dir", str(first), "--save-at", "10"))
+    full = trainings.run("xla", config, train_args=args, **TWO_RANK_RUN)
+    last = workdir / "at20"
     resumed = run_training(workdir / "resumed", "xla", config, num_procs=2, steps=20,
-                           train_args=(*args, "--load-dir", str(first), "--save-dir", str(last), "--save-at", "20"))
-    return {"full": full, "resumed": resumed, "at10": first, "at20": last}
+                           train_args=(*args, "--load-dir", str(full["save_dir"]), "--save-dir", str(last),
+                                       "--save-at", "20"))
+    return {"full": full, "resumed": resumed, "first": full["save_dir"], "at20": last}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(trainings, tmp_path_factory):
     """``runs(name)``: ``train_and_resume`` for config ``name``, run once per test session."""
     done = {}
 
     def get(name: str) -> dict:
         if name not in done:
-            done[name] = train_and_resume(tmp_path_factory.mktemp(name), name)
+            done[name] = train_and_resume(trainings, tmp_path_factory.mktemp(name), name)
         return done[name]
 
     return get
@@ -131,10 +133,11 @@ def runs(tmp_path_factory):
 def test_resume_repeats_the_uninterrupted_run(runs, name):
     run = runs(name)
     full, resumed = run["full"], run["resumed"]
-    assert (run["at10"] / "latest").read_text() == "global_step10"
-    assert resumed["first_step"] == 10
-    assert resumed["losses"] == full["losses"][10:]
+    assert (run["first"] / "latest").read_text() == f"global_step{RESUMED_AT}"
+    assert resumed["first_step"] == RESUMED_AT
+    assert resumed["losses"] == full["losses"][RESUMED_AT:]
     assert resumed["params"] == full["params"]
+    assert [r["params"] for r in ranks(resumed)] == [r["params"] for r in ranks(full)]
 
     zero = CONFIGS[name][0]["zero_optimization"]["stage"] > 0
     loaded = load_without_torch_xla(run["at20"], "global_step20" if zero else "")
@@ -144,23 +147,24 @@ def test_resume_repeats_the_uninterrupted_run(runs, name):
         assert loaded["fp32"] == resumed["params"]
 
 
-def test_universal_checkpoint_resumes_on_one_rank(runs, tmp_path):
-    """DeepSpeed's ``ds_to_universal`` (run without torch_xla) turns the 2-rank ZeRO-2 checkpoint into
-    one that 1 rank loads: its step-10 loss is rank 0's step-10 loss of the 2-rank run (same batch)."""
+def test_universal_checkpoint_resumes_on_one_rank(runs, trainings, tmp_path):
+    """DeepSpeed's ``ds_to_universal`` (run without torch_xla) turns the 2-rank ZeRO-2 checkpoint into one that
+    1 rank loads: its first loss is rank 0's loss of the 2-rank run at that step (same weights, same batch), and
+    the steps after it, where the loaded Adam moments and step count update the weights, train as the same
+    checkpoint does on DeepSpeed's CPU accelerator."""
     run = runs("zero2")
     universal = tmp_path / "universal"
-    shutil.copytree(run["at10"], universal)
+    shutil.copytree(run["first"], universal)
+    tag = f"global_step{RESUMED_AT}"
     convert = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state",
-               "--input_folder", str(universal / "global_step10"),
-               "--output_folder", str(universal / "global_step10_universal")]
-    proc = subprocess.run(convert, env=clean_env(DS_ACCELERATOR="cpu", PYTHONPATH=HERE / "no_torch_xla"),
-                          capture_output=True, text=True, timeout=300)
+               "--input_folder", str(universal / tag), "--output_folder", str(universal / f"{tag}_universal")]
+    proc = run_command(convert, 300, env=clean_env(DS_ACCELERATOR="cpu", PYTHONPATH=HERE / "no_torch_xla"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     config = {**CONFIGS["zero2"][0], "checkpoint": {"load_universal": True}}
-    one = run_training(tmp_path / "one", "xla", config, num_procs=1, steps=11,
-                       train_args=("--load-dir", str(universal)))
-    assert one["first_step"] == 10 and one["world_size"] == 1
-    assert one["losses"] == run["full"]["losses"][10:11]
+    xla, cpu = trainings.against_cpu(config, num_procs=1, steps=RESUMED_AT + 6, train_args=("--load-dir", str(universal)))
+    assert xla["first_step"] == RESUMED_AT and xla["world_size"] == 1 and len(xla["losses"]) == 6
+    assert xla["losses"][0] == run["full"]["losses"][RESUMED_AT]
+    assert_trains_like(xla, cpu, "float32")
 
 
 def test_rank_killed_while_saving_leaves_latest_on_the_previous_checkpoint(tmp_path):
@@ -169,7 +173,7 @@ def test_rank_killed_while_saving_leaves_latest_on_the_previous_checkpoint(tmp_p
     env = {"PYTHONPATH": HERE / "fault_injection", "DSX_TEST_DIE_SAVING": "1:global_step2/zero_pp_rank_1"}
     cmd, env, _ = training_command(tmp_path, "xla", ds_config(2), num_procs=2, steps=3, extra_env=env,
                                    train_args=("--save-dir", str(save_dir), "--save-at", "1", "2"))
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_command(cmd, 600, cwd=tmp_path, env=env)
     output = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "DYING while saving" in proc.stdout, output
     assert proc.returncode != 0, output

@@ -19,7 +19,7 @@ from typing import Dict, Iterator, List, Tuple
 import pytest
 
 from tests.conftest import REPO, VENV_BIN, clean_env
-from tests.multiproc import ds_config, free_port
+from tests.multiproc import ds_config, free_port, run_command
 
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
@@ -109,8 +109,7 @@ def block_env(text: str, tmp_path: Path) -> dict:
 
 
 def run_block(text: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", text], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_command(["bash", "-e", "-o", "pipefail", "-c", text], timeout, cwd=REPO, env=env)
 
 
 def _output(proc: subprocess.CompletedProcess) -> str:
@@ -151,8 +150,7 @@ def test_cpu_block_runs(block, tmp_path):
 @pytest.fixture(scope="module")
 def train_flags() -> set:
     """The options ``scripts/train.py`` accepts, from its own ``--help``."""
-    proc = subprocess.run([sys.executable, "scripts/train.py", "--help"], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_command([sys.executable, "scripts/train.py", "--help"], 300, cwd=REPO, env=clean_env())
     assert proc.returncode == 0, _output(proc)
     return set(re.findall(r"--[\w-]+", proc.stdout))
 
@@ -242,7 +240,7 @@ def _check_deepspeed_command(args: List[str], flags: set, where: str) -> None:
 
 @pytest.mark.parametrize("block", SHELL_BLOCKS, ids=lambda b: b.where)
 def test_shell_block_is_well_formed(block, train_flags):
-    syntax = subprocess.run(["bash", "-n"], input=block.text, capture_output=True, text=True)
+    syntax = run_command(["bash", "-n"], 60, input=block.text)
     assert syntax.returncode == 0, f"{block.where}: {syntax.stderr}"
     for path in REPO_PATH.findall(block.text):
         assert (REPO / path).exists(), f"{block.where}: {path} does not exist"

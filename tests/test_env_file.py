@@ -42,9 +42,9 @@ def test_multi_node_runner_forwards_env_file_and_xla_variables(tmp_path):
     """``deepspeed --force_multi`` (pdsh): DeepSpeed's own parser would fail on the blank and comment lines;
     the runner must pick the XLA accelerator from the file and forward PJRT_/XLA_ variables."""
     import os
-    import subprocess
 
     from tests.conftest import VENV_BIN, clean_env
+    from tests.multiproc import run_command
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     record = tmp_path / "pdsh-args.txt"
@@ -54,9 +54,9 @@ def test_multi_node_runner_forwards_env_file_and_xla_variables(tmp_path):
     (tmp_path / ".deepspeed_env").write_text("\n# cluster settings\nexport DS_ACCELERATOR=xla\nXLA_FLAGS='--a=1'\n")
     env = clean_env(HOME=tmp_path, PJRT_DEVICE="CPU")
     env["PATH"] = f"{fake_bin}{os.pathsep}{env['PATH']}"
-    proc = subprocess.run([str(VENV_BIN / "deepspeed"), "--force_multi", "--hostfile", str(tmp_path / "hostfile"),
-                           "--no_ssh_check", "--master_addr", "127.0.0.1", "--launcher", "pdsh", "train.py"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_command([str(VENV_BIN / "deepspeed"), "--force_multi", "--hostfile", str(tmp_path / "hostfile"),
+                        "--no_ssh_check", "--master_addr", "127.0.0.1", "--launcher", "pdsh", "train.py"], 300,
+                       cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     command = record.read_text()
     assert "export DS_ACCELERATOR=xla" in command

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from deepspeed_xla.comm.watchdog import TIMEOUT_ENV, comm_timeout
-from tests.multiproc import ds_config, start_ranks, training_command
+from tests.multiproc import ds_config, kill_group, start_command, start_ranks, training_command
 
 TIMEOUT = 6  # DS_XLA_COMM_TIMEOUT for the ranks without a launcher, seconds
 # For the launched job: the ranks find a dead local peer at once, but tearing down the launcher and
@@ -90,8 +90,7 @@ def faulted_jobs():
     finally:
         for procs, _ in jobs.values():
             for proc in procs:
-                proc.kill()
-                proc.wait()
+                kill_group(proc)
     return results
 
 
@@ -119,7 +118,7 @@ def test_killing_a_rank_mid_training_fails_the_job(tmp_path: Path):
                                    extra_env={"DS_XLA_COMM_TIMEOUT": LAUNCHED_TIMEOUT})
     log = tmp_path / "job.log"
     with open(log, "w") as handle:
-        job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=handle, stderr=subprocess.STDOUT)
+        job = start_command(cmd, cwd=tmp_path, env=env, stdout=handle, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600
         while "step    0" not in log.read_text():  # rank 0 finished a step: both ranks are training
@@ -130,7 +129,6 @@ def test_killing_a_rank_mid_training_fails_the_job(tmp_path: Path):
         code = job.wait(timeout=LAUNCHED_TIMEOUT + 60)
         took = time.monotonic() - killed
     finally:
-        for proc in [job, *psutil.Process(job.pid).children(recursive=True)] if job.poll() is None else []:
-            proc.kill()
+        kill_group(job)  # the runner, its launcher and both workers, whatever state they are in
     assert code != 0, log.read_text()[-6000:]
     assert took < LAUNCHED_TIMEOUT, f"the job ended {took:.1f} s after rank 1 was killed:\n{log.read_text()[-6000:]}"

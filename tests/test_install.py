@@ -5,7 +5,6 @@ Each install goes into a fresh, pip-less venv whose only other path is this venv
 """
 import json
 import site
-import subprocess
 import sys
 import venv
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, clean_env
+from tests.multiproc import run_command
 
 
 @pytest.mark.parametrize("editable", [False, True], ids=["regular", "editable"])
@@ -20,20 +20,19 @@ def test_install_registers_hook(tmp_path, editable):
     target = tmp_path / "venv"
     venv.create(target, with_pip=False)
     python = target / "bin" / "python"
-    purelib = subprocess.check_output([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                      text=True).strip()
+    purelib = run_command([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          60).stdout.strip()
     with open(f"{purelib}/_host_packages.pth", "w") as handle:
         handle.write("\n".join(site.getsitepackages()) + "\n")
     cmd = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
            *(["-e"] if editable else []), str(REPO)]
     env = clean_env()
-    install = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    install = run_command(cmd, 300, env=env)
     assert install.returncode == 0, install.stderr
     probe = ("import json, deepspeed, deepspeed_xla\n"
              "from deepspeed.accelerator import get_accelerator\n"
              "print(json.dumps([get_accelerator().device_name(), deepspeed_xla.__file__]))")
-    proc = subprocess.run([str(python), "-c", probe], env=clean_env(DS_ACCELERATOR="xla"), capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
+    proc = run_command([str(python), "-c", probe], 300, env=clean_env(DS_ACCELERATOR="xla"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     name, location = json.loads(proc.stdout.strip().splitlines()[-1])
     assert name == "xla"

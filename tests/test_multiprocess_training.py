@@ -1,4 +1,4 @@
-"""``deepspeed --num_gpus 2`` on XLA: ZeRO 1-3 train like DeepSpeed's CPU accelerator over gloo.
+"""``deepspeed --num_gpus 2`` on XLA: ZeRO 0-3 train like DeepSpeed's CPU accelerator over gloo.
 
 Both sides run through the real CLI in the same test; the XLA side uses the host-staged backend.
 """
@@ -7,40 +7,38 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc import counts_per_step, ds_config, max_abs_diff, run_against_cpu, run_training
+from tests.multiproc import (TWO_RANK_RUN, assert_trains_like, counts_per_step, ds_config, ranks, run_training,
+                             training_dtype)
 
-TOLERANCE = {False: 1e-4, True: 2e-2}
 # PJRT CPU has no XLA collectives, so each host-staged collective first runs the graph computing its operands:
-# ZeRO-1/2 run 4 graphs per step, ZeRO-3 5 (docs/performance.md, "Two processes on PJRT CPU").
-EXECUTIONS_PER_STEP = {1: 4, 2: 4, 3: 5}
+# ZeRO-0 runs 2 graphs per step (the gradients' all-reduce, then the step), ZeRO-1/2 4, ZeRO-3 5
+# (docs/performance.md, "Two processes on PJRT CPU").
+EXECUTIONS_PER_STEP = {0: 2, 1: 4, 2: 4, 3: 5}
 PROBE_DIR = Path(__file__).parent / "runtime_probe"
 
 
-def _rank_params(workdir: Path, accelerator: str, rank: int) -> dict:
-    path = workdir / f"{accelerator}-losses.json"
-    return json.loads((path if rank == 0 else Path(f"{path}.rank{rank}")).read_text())["params"]
-
-
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_two_ranks_match_cpu_accelerator(tmp_path, stage, bf16):
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_two_ranks_match_cpu_accelerator(trainings, stage, bf16):
+    """ZeRO-0 is plain data parallel: DeepSpeed all-reduces the gradients itself. The XLA runs are the ones
+    tests/test_checkpoint.py resumes (``TWO_RANK_RUN``)."""
     config = ds_config(stage, bf16=bf16)
-    xla, cpu = run_against_cpu(tmp_path, config, num_procs=2, steps=6)
-    assert xla["world_size"] == cpu["world_size"] == 2
-    assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[bf16]
-    assert _rank_params(tmp_path / "xla", "xla", 0) == _rank_params(tmp_path / "xla", "xla", 1)
+    xla, cpu = trainings.against_cpu(config, **TWO_RANK_RUN)
+    assert xla["world_size"] == 2
+    assert_trains_like(xla, cpu, training_dtype(config))
+    assert [rank["params"] for rank in ranks(xla)[1:]] == [xla["params"]], "the ranks' weights differ"
     # Only the loss the script prints is read back, and nothing compiles after warm-up.
     assert counts_per_step(xla) == {"compilations": 0, "executions": EXECUTIONS_PER_STEP[stage],
                                     "transfers_to_host": 1}
 
 
-def test_zero3_persistent_parameters_match_cpu_accelerator(tmp_path):
+def test_zero3_persistent_parameters_match_cpu_accelerator(trainings):
     """DeepSpeed's default ``stage3_param_persistence_threshold`` keeps this model's small parameters gathered
     between steps (``ds_config`` partitions every parameter): they are all-gathered together after each step."""
     config = ds_config(3)
     del config["zero_optimization"]["stage3_param_persistence_threshold"]
-    xla, cpu = run_against_cpu(tmp_path, config, num_procs=2, steps=6)
-    assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[False]
+    xla, cpu = trainings.against_cpu(config, num_procs=2, steps=6)
+    assert_trains_like(xla, cpu, training_dtype(config))
     # The post-step gathers of all persistent parameters run as one staged execution, not one per parameter.
     assert counts_per_step(xla) == {"compilations": 0, "executions": 4, "transfers_to_host": 1}
 

@@ -11,6 +11,7 @@ from deepspeed_xla import report
 from deepspeed_xla.devices.cpu import CpuDevice
 from deepspeed_xla.devices.tpu import TpuDevice
 from tests.conftest import VENV_BIN, clean_env
+from tests.multiproc import run_command
 
 PROBE_DIR = Path(__file__).parent / "runtime_probe"
 # A TPU VM with four v5e chips, as tpu-info's PCI scan would report it.
@@ -24,8 +25,8 @@ def _report(command, cwd: Path, **env) -> subprocess.CompletedProcess:
     ran must have left torch_xla unimported (tests/runtime_probe records that at exit)."""
     log, home = cwd / "runtime.jsonl", cwd / "home"
     home.mkdir()
-    proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env=clean_env(HOME=home, PYTHONPATH=PROBE_DIR, DSX_TEST_RUNTIME_LOG=log, **env))
+    proc = run_command(command, 300, cwd=cwd,
+                       env=clean_env(HOME=home, PYTHONPATH=PROBE_DIR, DSX_TEST_RUNTIME_LOG=log, **env))
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     assert records, proc.stderr[-3000:]
     assert not any(record["torch_xla_imported"] for record in records), records

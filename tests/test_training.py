@@ -1,66 +1,62 @@
 """One XLA process trains exactly like DeepSpeed's own CPU accelerator (same seed, same data).
 
 Both sides run ``scripts/train.py`` through the real ``deepspeed`` CLI; the reference is computed in
-the same test. Tolerances: fp32 1e-4, bf16 2e-2 (max abs difference of per-step losses).
+the same test. ``tests.multiproc.assert_trains_like`` compares the per-step losses and the final weights.
 """
 import math
 import re
 
 import pytest
 
-from tests.conftest import FAST_COMPILE
-from tests.multiproc import counts_per_step, ds_config, max_abs_diff, run_against_cpu, run_training
+from tests.multiproc import assert_trains_like, counts_per_step, ds_config, training_dtype
 
-TOLERANCE = {False: 1e-4, True: 2e-2}
 # bf16 ZeRO-1 accumulating gradients in fp32 runs DeepSpeed's BF16_Optimizer (as bf16 pipelines do).
 BF16_OPTIMIZER = {"data_types": {"grad_accum_dtype": "fp32"}}
+BF16_OPTIMIZER_CONFIG = ds_config(1, bf16=True, accumulation=2, gradient_clipping=0.5, **BF16_OPTIMIZER)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_single_process_losses_match_cpu_accelerator(tmp_path, stage, bf16):
+def test_single_process_losses_match_cpu_accelerator(trainings, stage, bf16):
     config = ds_config(stage, bf16=bf16)
-    xla, cpu = run_against_cpu(tmp_path, config)
-    assert xla["accelerator"] == "xla" and cpu["accelerator"] == "cpu"
+    xla, cpu = trainings.against_cpu(config, dump_hlo=True)
     assert len(xla["losses"]) == 20
     assert xla["losses"][-1] < xla["losses"][0] - 0.5, "the model did not train"
-    assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[bf16]
+    assert_trains_like(xla, cpu, training_dtype(config))
     # One graph per step and no host read but the loss the script prints: DeepSpeed's overflow and
     # norm checks stay on the device.
     assert counts_per_step(xla) == {"compilations": 0, "executions": 1, "transfers_to_host": 1}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_client_optimizer_accumulation_clipping_and_scheduler(tmp_path, stage):
+def test_client_optimizer_accumulation_clipping_and_scheduler(trainings, stage):
     """A torch optimizer built before ``initialize`` (on the CPU parameters), gradient accumulation,
     clipping and an LR schedule: the engine must move the model without orphaning the optimizer."""
     config = ds_config(stage, accumulation=2, gradient_clipping=0.5,
                        scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}})
     del config["optimizer"]
-    xla, cpu = run_against_cpu(tmp_path, config, steps=8, train_args=("--client-optimizer", ))
+    xla, cpu = trainings.against_cpu(config, steps=8, train_args=("--client-optimizer", ))
     assert xla["losses"][-1] < xla["losses"][0]
-    assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[False]
+    assert_trains_like(xla, cpu, training_dtype(config))
 
 
-def test_bf16_optimizer_accumulation_and_clipping_match_cpu_accelerator(tmp_path):
-    config = ds_config(1, bf16=True, accumulation=2, gradient_clipping=0.5, **BF16_OPTIMIZER)
-    xla, cpu = run_against_cpu(tmp_path, config, steps=8)
+def test_bf16_optimizer_accumulation_and_clipping_match_cpu_accelerator(trainings):
+    xla, cpu = trainings.against_cpu(BF16_OPTIMIZER_CONFIG, steps=8, dump_hlo=True)
     assert xla["losses"][-1] < xla["losses"][0]
-    assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[True]
+    assert_trains_like(xla, cpu, training_dtype(BF16_OPTIMIZER_CONFIG))
     # train.py reads each micro-batch's loss: one execution and one transfer each, nothing else.
     assert counts_per_step(xla) == {"compilations": 0, "executions": 2, "transfers_to_host": 2}
 
 
 @pytest.mark.parametrize("stage,bf16", [(1, False), (3, False), (0, True)], ids=["zero1", "zero3", "bf16-zero0"])
-def test_step_with_invalid_gradients_is_skipped_as_on_cpu(tmp_path, stage, bf16):
+def test_step_with_invalid_gradients_is_skipped_as_on_cpu(trainings, stage, bf16):
     """NaN gradients at step 3: DeepSpeed skips the step on the host (CPU), deepspeed_xla on the device.
 
     SGD with momentum keeps no step count, so the two skips leave exactly the same state."""
     config = ds_config(stage, bf16=bf16, zero_allow_untested_optimizer=True)
-    xla, cpu = run_against_cpu(tmp_path, config, steps=7,
-                               train_args=("--client-optimizer", "sgd", "--nan-grad-at", "3"))
+    xla, cpu = trainings.against_cpu(config, steps=7, train_args=("--client-optimizer", "sgd", "--nan-grad-at", "3"))
     assert (xla["skipped_steps"], cpu["skipped_steps"]) == (1, 1)
-    assert max_abs_diff(xla["losses"], cpu["losses"]) <= TOLERANCE[bf16]
+    assert_trains_like(xla, cpu, training_dtype(config))
 
 
 def _select_sizes(hlo_dir) -> list:
@@ -70,23 +66,23 @@ def _select_sizes(hlo_dir) -> list:
     return [math.prod(int(d) for d in dims.split(",") if d) for dims in shapes]
 
 
-@pytest.mark.parametrize("stage,bf16,extra",
-                         [pytest.param(stage, bf16, {}, id=f"{stage}-{'bf16' if bf16 else 'fp32'}")
+@pytest.mark.parametrize("config,steps",
+                         [pytest.param(ds_config(stage, bf16=bf16), 20, id=f"{stage}-{'bf16' if bf16 else 'fp32'}")
                           for stage in range(4) for bf16 in (False, True)]
-                         + [pytest.param(1, True, BF16_OPTIMIZER, id="1-bf16-optimizer")])
-def test_step_graph_does_not_copy_into_slices_of_flat_buffers(tmp_path, train_module, stage, bf16, extra):
+                         + [pytest.param(BF16_OPTIMIZER_CONFIG, 8, id="1-bf16-optimizer")])
+def test_step_graph_does_not_copy_into_slices_of_flat_buffers(trainings, train_module, config, steps):
     """torch_xla lowers a copy into a slice of a flat buffer as a select over the whole buffer, so
     copying each parameter's tensor into a flat buffer costs (parameters x buffer) element operations
     a step. Upstream does it with each gradient in ZeRO-1/2 (``contiguous_gradients``), ZeRO-3
     (``partition_grads``) and ``BF16_Optimizer`` (``update_hp_grads``), and with each updated weight
-    in bf16 without ZeRO (``FP16_Optimizer.step``)."""
-    hlo = tmp_path / "hlo"
-    run_training(tmp_path, "xla", ds_config(stage, bf16=bf16, **extra), steps=2,
-                 extra_env={"XLA_FLAGS": f"{FAST_COMPILE['XLA_FLAGS']} --xla_dump_to={hlo} --xla_dump_hlo_as_text"})
+    in bf16 without ZeRO (``FP16_Optimizer.step``).
+
+    The graphs are those of the parity runs above (their XLA side dumps its HLO): the run is shared."""
+    hlo = trainings.run("xla", config, steps=steps, dump_hlo=True)["hlo_dir"]
     model = train_module.TinyGPT(64, 32, 2, seq=16)  # train.py's defaults
     largest = max(p.numel() for p in model.parameters())
     # Left: step_guard's torch.where over the flat fp32 parameters and Adam's two moments (fp32
     # without ZeRO keeps no flat buffer). Each of the upstream copies would add one per parameter
     # (33 for these 30; 63 in ZeRO-1/2, which copy each gradient twice).
-    flat_buffers = 0 if stage == 0 and not bf16 else 3
-    assert len([n for n in _select_sizes(hlo) if n > largest]) == flat_buffers
+    fp32_without_zero = config["zero_optimization"]["stage"] == 0 and training_dtype(config) == "float32"
+    assert len([n for n in _select_sizes(hlo) if n > largest]) == (0 if fp32_without_zero else 3)

@@ -4,13 +4,13 @@ The floor's counts are facts of a hand-written torch_xla loop (one graph per ste
 are asserted; times and ratios are not (they live in docs/performance.md).
 """
 import json
-import subprocess
 import sys
 
 import pytest
 
 from deepspeed_xla.bench import cli, example, results, systems
 from tests.conftest import REPO, clean_env
+from tests.multiproc import run_command
 
 TINY = ["--dim", "32", "--layers", "2", "--seq", "16", "--batch", "4", "--vocab", "64"]
 
@@ -108,10 +108,9 @@ def test_bad_arguments_name_the_fix():
 def test_floor_end_to_end(tmp_path, train_module):
     """The CLI as a user runs it (floor only, 6 steps): one table, JSON, PNG, and the floor's exact counts."""
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    proc = subprocess.run([sys.executable, "-m", "deepspeed_xla.bench", "--systems", "floor", "--steps", "6",
-                           "--warmup", "3", *TINY, "--skip-bandwidth", "--out", str(out), "--png", str(png),
-                           "--workdir", str(tmp_path / "work")],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    proc = run_command([sys.executable, "-m", "deepspeed_xla.bench", "--systems", "floor", "--steps", "6",
+                        "--warmup", "3", *TINY, "--skip-bandwidth", "--out", str(out), "--png", str(png),
+                        "--workdir", str(tmp_path / "work")], 600, cwd=REPO, env=clean_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert set(report) == {"command", "model", "steps", "warmup", "device", "cpus", "zero_options", "systems",

@@ -20,7 +20,7 @@ from deepspeed_xla.devices.cuda import CudaDevice, cuda_process_settings, visibl
 from deepspeed_xla.devices.cuda import plugin, probe
 from deepspeed_xla.launch_env import process_layout
 from tests.conftest import REPO, clean_env
-from tests.multiproc import free_port, run_ranks
+from tests.multiproc import free_port, run_python, run_ranks
 
 FAKE_GPU_DIR = "DSX_TEST_FAKE_GPU_DIR"
 
@@ -117,8 +117,7 @@ def _gpu_dir(root: Path, count: int) -> Path:
 
 
 def _run(code: str, *args: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=clean_env(**env), capture_output=True,
-                          text=True, timeout=300)
+    return run_python(code, *args, cwd=REPO, **env)
 
 
 COUNT_CODE = """

@@ -1,4 +1,7 @@
-"""The pure-torch op builders on XLA against torch's own optimizers on CPU."""
+"""The pure-torch op builders on XLA against torch's own optimizers on CPU, and FusedLamb against the LAMB step of
+DeepSpeed's CUDA kernel, written out here in torch."""
+import math
+
 import pytest
 import torch
 
@@ -76,5 +79,66 @@ def test_fused_lamb_trains_on_xla():
         opt.step()
         torch_xla.sync()
         losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0]
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
     assert all(0.01 <= c <= 10.0 for c in opt.get_lamb_coeffs())
+
+
+def reference_lamb_step(params, grads, state, lr, betas, eps, weight_decay, bias_correction, max_coeff, min_coeff,
+                        eps_inside_sqrt):
+    """One ``deepspeed.ops.lamb.FusedLamb`` step as DeepSpeed's kernel computes it (csrc/lamb/fused_lamb_cuda_kernel.cu),
+    tensor by tensor, on the CPU: Adam's moments without bias correction; the update m / (sqrt(v) + eps) (eps under
+    the root with ``eps_inside_sqrt``) plus weight_decay * p; the trust ratio ||p|| / ||update|| clamped to
+    [min_coeff, max_coeff], 1 when either norm is 0; and the bias corrections folded into the step size,
+    lr * sqrt(1 - beta2^t) / (1 - beta1^t). Returns the trust ratios."""
+    beta1, beta2 = betas
+    coeffs = []
+    for p, g in zip(params, grads):
+        m, v = state.setdefault(id(p), (torch.zeros_like(p), torch.zeros_like(p)))
+        step = state.setdefault((id(p), "step"), 0) + 1
+        state[(id(p), "step")] = step
+        m.mul_(beta1).add_((1 - beta1) * g)
+        v.mul_(beta2).add_((1 - beta2) * g * g)
+        denom = (v + eps).sqrt() if eps_inside_sqrt else v.sqrt() + eps
+        update = m / denom + weight_decay * p
+        w_norm, u_norm = p.norm().item(), update.norm().item()
+        coeff = min(max(w_norm / u_norm, min_coeff), max_coeff) if w_norm != 0 and u_norm != 0 else 1.0
+        step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step) if bias_correction else lr
+        p.sub_(step_size * coeff * update)
+        coeffs.append(coeff)
+    return coeffs
+
+
+@pytest.mark.parametrize("bias_correction, eps_inside_sqrt", [
+    pytest.param(True, False, id="bias-correction"),
+    pytest.param(False, False, id="no-bias-correction"),
+    pytest.param(True, True, id="eps-inside-sqrt"),
+])
+def test_fused_lamb_matches_the_reference_lamb_step(xla_device, bias_correction, eps_inside_sqrt):
+    """Eight steps with weight decay, a zero tensor (trust ratio 1 on the first step) and bounds that clamp some
+    ratios: the weights and each step's trust ratios match ``reference_lamb_step``."""
+    import torch_xla
+    from deepspeed.ops.lamb import FusedLamb
+    settings = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1, bias_correction=bias_correction,
+                    max_coeff=1.2, min_coeff=0.6)
+    shapes = ((5, 3), (7, ), (4, 4))
+    gen = torch.Generator().manual_seed(0)
+    initial = [torch.randn(shape, generator=gen) * scale for shape, scale in zip(shapes, (1.0, 0.05, 0.0))]
+    ours = [t.to(xla_device).requires_grad_() for t in initial]
+    ref = [t.clone() for t in initial]
+    opt = FusedLamb(ours, eps_inside_sqrt=eps_inside_sqrt, **settings)
+    state, clamped, first_coeffs = {}, set(), None
+    for step in range(8):
+        grads = [torch.randn(shape, generator=gen) for shape in shapes]
+        for p, g in zip(ours, grads):
+            p.grad = g.to(xla_device)
+        opt.step()
+        torch_xla.sync()
+        expected = reference_lamb_step(ref, grads, state, eps_inside_sqrt=eps_inside_sqrt, **settings)
+        clamped.update(c for c in expected if c in (settings["max_coeff"], settings["min_coeff"]))
+        first_coeffs = first_coeffs or opt.get_lamb_coeffs()
+        torch.testing.assert_close(torch.tensor(opt.get_lamb_coeffs()), torch.tensor(expected), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"step {step}: {opt.get_lamb_coeffs()} {expected} {m}")
+        for mine, theirs in zip(ours, ref):
+            torch.testing.assert_close(mine.detach().cpu(), theirs, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+    assert clamped == {settings["max_coeff"], settings["min_coeff"]}, "the bounds never clamped a ratio"
+    assert first_coeffs[2] == 1.0, "the zero tensor's first ratio"
