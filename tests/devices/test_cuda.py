@@ -7,7 +7,6 @@ error at "No visible GPU devices". GPU hosts are faked through the driver's devi
 import json
 import os
 import subprocess
-import sys
 import types
 from importlib import metadata
 from pathlib import Path
