@@ -21,6 +21,8 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.update(FAST_COMPILE)
 
 REPO = Path(__file__).resolve().parents[1]
+#: Folders of ``sitecustomize.py`` files that a launched run puts on its PYTHONPATH to watch or break itself.
+FIXTURES = REPO / "tests" / "fixtures"
 VENV_BIN = Path(sys.executable).parent
 
 # Variables a test must not inherit from the developer's shell or from launcher parents.

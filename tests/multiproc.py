@@ -5,7 +5,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,13 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from deepspeed_xla.launch_env import free_port
 from tests.conftest import FAST_COMPILE, REPO, VENV_BIN, clean_env
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_command(cmd, **popen_kwargs) -> subprocess.Popen:
@@ -118,8 +112,8 @@ def run_ranks(target: str, world_size: int, env: Optional[dict] = None,
 
 TRAIN = REPO / "scripts" / "train.py"
 WARMUP_STEPS = 3  # scripts/train.py's default --warmup-steps
-# The 2-rank runs that tests/test_multiprocess_training.py and tests/test_pipeline.py compare with the CPU accelerator,
-# and tests/test_checkpoint.py resumes (``Trainings`` runs each once): 20 steps, saving a checkpoint at the end of
+# The 2-rank runs that tests/launched/test_multiprocess_training.py and tests/launched/test_pipeline.py compare with the CPU accelerator,
+# and tests/launched/test_checkpoint.py resumes (``Trainings`` runs each once): 20 steps, saving a checkpoint at the end of
 # the warm-up, before the steps whose XLA executions the parity tests count.
 TWO_RANK_RUN = {"num_procs": 2, "steps": 20, "save_at": (WARMUP_STEPS, )}
 

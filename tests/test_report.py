@@ -10,10 +10,10 @@ from pathlib import Path
 from deepspeed_xla import report
 from deepspeed_xla.devices.cpu import CpuDevice
 from deepspeed_xla.devices.tpu import TpuDevice
-from tests.conftest import VENV_BIN, clean_env
+from tests.conftest import FIXTURES, VENV_BIN, clean_env
 from tests.multiproc import run_command
 
-PROBE_DIR = Path(__file__).parent / "runtime_probe"
+PROBE_DIR = FIXTURES / "runtime_probe"
 # A TPU VM with four v5e chips, as tpu-info's PCI scan would report it.
 FAKE_TPU_HOST = ("import sys\nfrom tpu_info import device\n"
                  "device.get_local_chips = lambda: (device.TpuChip.V5E, 4)\n"
@@ -22,7 +22,7 @@ FAKE_TPU_HOST = ("import sys\nfrom tpu_info import device\n"
 
 def _report(command, cwd: Path, **env) -> subprocess.CompletedProcess:
     """Run the report in ``cwd`` with an empty HOME (no developer ``~/.deepspeed_env``); every Python process it
-    ran must have left torch_xla unimported (tests/runtime_probe records that at exit)."""
+    ran must have left torch_xla unimported (tests/fixtures/runtime_probe records that at exit)."""
     log, home = cwd / "runtime.jsonl", cwd / "home"
     home.mkdir()
     proc = run_command(command, 300, cwd=cwd,

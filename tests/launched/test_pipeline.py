@@ -22,7 +22,7 @@ def _assert_no_compilation_after_warmup(result: dict) -> None:
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_two_stage_pipeline_matches_cpu_accelerator(trainings, bf16):
-    """The fp32 run is the one tests/test_checkpoint.py resumes (``TWO_RANK_RUN``)."""
+    """The fp32 run is the one tests/launched/test_checkpoint.py resumes (``TWO_RANK_RUN``)."""
     run = {"num_procs": 2, "steps": 4} if bf16 else TWO_RANK_RUN
     config = _pipe_config(bf16)
     xla, cpu = trainings.against_cpu(config, train_args=("--pipeline-stages", "2"), **run)

@@ -296,6 +296,6 @@ def test_ready_configs_are_the_tested_configs():
     """docs/quickstart.md and docs/configuration.md promise the parity tests' exact configurations."""
     tested = {f"zero{stage}.json": ds_config(stage) for stage in range(4)}
     tested["bf16.json"] = ds_config(2, bf16=True)
-    tested["pipe2.json"] = ds_config(0, micro_batch=2, accumulation=4)  # tests/test_pipeline.py's configuration
+    tested["pipe2.json"] = ds_config(0, micro_batch=2, accumulation=4)  # tests/launched/test_pipeline.py's configuration
     shipped = {path.name: json.loads(path.read_text()) for path in (REPO / "scripts" / "configs").glob("*.json")}
     assert shipped == tested

@@ -3,10 +3,10 @@
 Both sides run through the real CLI in the same test; the XLA side uses the host-staged backend.
 """
 import json
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import FIXTURES
 from tests.multiproc import (TWO_RANK_RUN, assert_trains_like, counts_per_step, ds_config, ranks, run_training,
                              training_dtype)
 
@@ -14,14 +14,14 @@ from tests.multiproc import (TWO_RANK_RUN, assert_trains_like, counts_per_step, 
 # ZeRO-0 runs 2 graphs per step (the gradients' all-reduce, then the step), ZeRO-1/2 4, ZeRO-3 5
 # (docs/performance.md, "Two processes on PJRT CPU").
 EXECUTIONS_PER_STEP = {0: 2, 1: 4, 2: 4, 3: 5}
-PROBE_DIR = Path(__file__).parent / "runtime_probe"
+PROBE_DIR = FIXTURES / "runtime_probe"
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_two_ranks_match_cpu_accelerator(trainings, stage, bf16):
     """ZeRO-0 is plain data parallel: DeepSpeed all-reduces the gradients itself. The XLA runs are the ones
-    tests/test_checkpoint.py resumes (``TWO_RANK_RUN``)."""
+    tests/launched/test_checkpoint.py resumes (``TWO_RANK_RUN``)."""
     config = ds_config(stage, bf16=bf16)
     xla, cpu = trainings.against_cpu(config, **TWO_RANK_RUN)
     assert xla["world_size"] == 2

@@ -1,6 +1,6 @@
 """docs/bad_input.md, row by row: each misconfiguration either works or fails with one error that names the fix.
 
-Rows covered by tests/test_errors.py (unknown PJRT_DEVICE, malformed .deepspeed_env, the device used before the
+Rows covered by tests/launched/test_errors.py (unknown PJRT_DEVICE, malformed .deepspeed_env, the device used before the
 per-process setup) are referenced from the table, not repeated; a launcher's check and the worker's that gives the
 same error are one test. Config rows parse a ``DeepSpeedConfig`` in this process:
 that is where ``deepspeed.initialize`` refuses them, before it touches the device.

@@ -1,5 +1,5 @@
 """Bad input gets one clear error that names the fix, from the process that found it: the errors of a worker and of
-the runner that docs/bad_input.md lists beside tests/test_bad_input.py's."""
+the runner that docs/bad_input.md lists beside tests/launched/test_bad_input.py's."""
 from tests.conftest import VENV_BIN, clean_env
 from tests.multiproc import last_error, run_command, run_python
 

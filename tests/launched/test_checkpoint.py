@@ -16,11 +16,10 @@ import pytest
 import torch
 
 from deepspeed_xla import checkpoint, xla_runtime
-from tests.conftest import clean_env
+from tests.conftest import FIXTURES, clean_env
 from tests.multiproc import (TWO_RANK_RUN, assert_trains_like, ds_config, ranks, run_command, run_training,
                              training_command)
 
-HERE = Path(__file__).parent
 PIPELINE = ("--pipeline-stages", "2")
 RESUMED_AT = TWO_RANK_RUN["save_at"][0]
 CONFIGS = {
@@ -98,7 +97,7 @@ def test_write_latest_replaces_the_tag_atomically(tmp_path):
 
 
 def load_without_torch_xla(folder: Path, zero_tag: str = "") -> dict:
-    env = clean_env(DS_ACCELERATOR="cpu", PYTHONPATH=HERE / "no_torch_xla")
+    env = clean_env(DS_ACCELERATOR="cpu", PYTHONPATH=FIXTURES / "no_torch_xla")
     proc = run_command([sys.executable, "-c", LOAD_WITHOUT_XLA, str(folder), zero_tag], 300, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -158,7 +157,7 @@ def test_universal_checkpoint_resumes_on_one_rank(runs, trainings, tmp_path):
     tag = f"global_step{RESUMED_AT}"
     convert = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state",
                "--input_folder", str(universal / tag), "--output_folder", str(universal / f"{tag}_universal")]
-    proc = run_command(convert, 300, env=clean_env(DS_ACCELERATOR="cpu", PYTHONPATH=HERE / "no_torch_xla"))
+    proc = run_command(convert, 300, env=clean_env(DS_ACCELERATOR="cpu", PYTHONPATH=FIXTURES / "no_torch_xla"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     config = {**CONFIGS["zero2"][0], "checkpoint": {"load_universal": True}}
     xla, cpu = trainings.against_cpu(config, num_procs=1, steps=RESUMED_AT + 6, train_args=("--load-dir", str(universal)))
@@ -170,7 +169,7 @@ def test_universal_checkpoint_resumes_on_one_rank(runs, trainings, tmp_path):
 def test_rank_killed_while_saving_leaves_latest_on_the_previous_checkpoint(tmp_path):
     """Rank 1 dies in its last file of the step-2 checkpoint, after rank 0 wrote all of its own."""
     save_dir = tmp_path / "checkpoints"
-    env = {"PYTHONPATH": HERE / "fault_injection", "DSX_TEST_DIE_SAVING": "1:global_step2/zero_pp_rank_1"}
+    env = {"PYTHONPATH": FIXTURES / "fault_injection", "DSX_TEST_DIE_SAVING": "1:global_step2/zero_pp_rank_1"}
     cmd, env, _ = training_command(tmp_path, "xla", ds_config(2), num_procs=2, steps=3, extra_env=env,
                                    train_args=("--save-dir", str(save_dir), "--save-at", "1", "2"))
     proc = run_command(cmd, 600, cwd=tmp_path, env=env)
