@@ -3,7 +3,7 @@ DeepSpeed's own CPU accelerator.
 
 One 2-rank launch per accelerator runs every configuration (ZeRO 1-3 × fp32/bf16 × with and without CPU
 offload) in turn on a tiny model: every getter, full and local, on every parameter after a backward; every
-setter followed by a read-back, a step and the next step's loss. Each rank writes what
+setter followed by a read-back, a step, and the values and loss after it. Each rank writes what
 it saw (values, or the error a call raised) as JSON, and ``test_fragment_api[<config>]`` compares the XLA
 run's record with the CPU run's, key by key.
 """
@@ -154,7 +154,7 @@ def exercise(name: str) -> dict:
                lambda grad, param: grad * 2 + 0.01)
 
     gen = torch.Generator().manual_seed(rank)
-    for step, setters in enumerate((None, set_full, set_local, None)):
+    for step, setters in enumerate((None, set_full, set_local)):
         tokens, targets = (torch.randint(0, 16, (4, 6), generator=gen).to(engine.device) for _ in range(2))
         loss = engine(tokens, targets)
         engine.backward(loss)

@@ -7,10 +7,12 @@ xla``) or, on other paths, reads no data. Code asks for gloo groups to move host
 checkpoint coordination) and then hands them model tensors. ``xla_host`` is gloo on host memory as well and
 passes CPU tensors to gloo as they are, so giving it instead changes nothing for CPU tensors and stages XLA
 ones. Every group torch creates, the default one included, is built by ``_new_process_group_helper``: that
-is the one function wrapped. Such a group names its backend ``xla_host`` (``dist.get_backend``).
+is the one function wrapped. Such a group names its backend ``xla_host`` (``dist.get_backend``). A default
+group made with gloo before the backend was registered cannot be replaced: that is an error naming the call.
 """
 import functools
 
+import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 
@@ -21,6 +23,12 @@ def _names_gloo(backend) -> bool:
 
 def install(host_backend: str) -> None:
     """From now on, groups created with gloo get ``host_backend`` (registered) instead; once per process."""
+    if dist.is_initialized() and _names_gloo(dist.get_backend()):
+        raise RuntimeError(
+            f"torch.distributed's default group is {dist.get_backend()!r}: init_process_group() ran before "
+            "deepspeed.init_distributed(), and gloo cannot read XLA tensors, which DeepSpeed would hand it. Let "
+            "deepspeed.init_distributed() create the group, or pass init_process_group(backend="
+            "get_accelerator().communication_backend_name()).")
     helper = distributed_c10d._new_process_group_helper
     if getattr(helper, "gloo_becomes", None) is not None:
         return
