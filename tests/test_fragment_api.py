@@ -8,6 +8,7 @@ it saw (values, or the error a call raised) as JSON, and ``test_fragment_api[<co
 run's record with the CPU run's, key by key.
 """
 import json
+import math
 import os
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -15,12 +16,13 @@ from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import pytest
+import torch
 
 from tests.multiproc import free_port, remove_cpu_comm_buffers, run_ranks
 
 WORLD = 2
 MOMENTS = ("exp_avg", "exp_avg_sq")
-TOLERANCE = {"fp32": 1e-6, "bf16": 1e-3}  # relative; the two runs agree exactly on this machine
+TOLERANCE = {"fp32": 1e-6, "bf16": 1e-3}  # of max(1, |value|); the two runs agreed exactly when written
 CONFIGS = [f"zero{stage}-{precision}{offload}" for stage in (1, 2, 3) for precision in TOLERANCE
            for offload in ("", "-offload")]
 OUT_ENV = "DSX_TEST_FRAGMENT_OUT"
@@ -39,11 +41,10 @@ def ds_config(name: str) -> dict:
             "zero_optimization": zero, "bf16": {"enabled": "-bf16" in name}, "steps_per_print": 1000}
 
 
-def tiny_model():
+def tiny_model() -> torch.nn.Module:
     """ZeRO-1/2's partitions split ``out.weight`` between the ranks. Every size is even: ZeRO-3's full setters
     narrow the unpadded value at the padded partition's offset (DeepSpeed 0.19.8 raises on one rank for odd
     sizes, and the other waits in the next collective)."""
-    import torch
 
     class Tiny(torch.nn.Module):
 
@@ -60,17 +61,12 @@ def tiny_model():
     return Tiny()
 
 
-def pattern(shape, salt: float):
+def pattern(shape, salt: float) -> torch.Tensor:
     """A deterministic fp32 value for a setter, the same on every rank and accelerator."""
-    import torch
-    numel = 1
-    for size in shape:
-        numel *= size
-    return (torch.linspace(-1.0, 1.0, numel) * (0.1 + 0.01 * salt)).reshape(shape)
+    return (torch.linspace(-1.0, 1.0, math.prod(shape)) * (0.1 + 0.01 * salt)).reshape(shape)
 
 
 def as_record(value):
-    import torch
     if torch.is_tensor(value):
         return {"dtype": str(value.dtype), "shape": list(value.shape), "values": value.float().flatten().tolist()}
     return value
@@ -86,7 +82,6 @@ class Recorder:
         self.pending: Dict[str, object] = {}
 
     def __call__(self, key: str, call: Callable, *args) -> None:
-        import torch
         try:
             value = call(*args)
             self.pending[key] = value.detach().clone() if torch.is_tensor(value) else value
@@ -94,7 +89,6 @@ class Recorder:
             self.records[key] = {"error": f"{type(error).__name__}: {error}"}
 
     def flush(self) -> None:
-        import torch
         from deepspeed.accelerator import get_accelerator
         get_accelerator().synchronize()
         self.records.update((key, as_record(value.cpu() if torch.is_tensor(value) else value))
@@ -105,7 +99,6 @@ class Recorder:
 def exercise(name: str) -> dict:
     """Train the tiny model with ``name``'s config: a plain step; the full setters; the local setters and the
     vectorized update. Every getter runs after the first step's backward, after each set and after each step."""
-    import torch
     import deepspeed
     from deepspeed import utils as ds
 
@@ -231,3 +224,6 @@ def test_fragment_api(runs, config):
         assert "failed" not in xla[rank][config], f"XLA, rank {rank}:\n{xla[rank][config]['failed']}"
         found = differences(xla[rank][config], cpu[rank][config], TOLERANCE[config.split("-")[1]])
         assert not found, f"rank {rank}: {len(found)} differences:\n" + "\n".join(found[:40])
+        # Not the same failure on both sides: only the local forms, which are ZeRO-3's alone, may raise.
+        raised = [key for key, got in xla[rank][config].items() if isinstance(got, dict) and "error" in got]
+        assert all("local" in key for key in raised) and not (raised and config.startswith("zero3")), raised
