@@ -34,6 +34,7 @@ _AFTER_IMPORT = {
     "deepspeed.runtime.fp16.loss_scaler": _PATCHES_HOOK,
     "deepspeed.runtime.fp16.fused_optimizer": _PATCHES_HOOK,
     "deepspeed.launcher.runner": _PATCHES_HOOK,
+    "deepspeed.comm.torch": _PATCHES_HOOK,
 }
 
 

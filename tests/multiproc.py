@@ -68,15 +68,17 @@ def start_ranks(target: str, world_size: int, env: Optional[dict] = None) -> Tup
     """Start ``target`` ("module:function", importable from the repo root) once per rank, env:// rendezvous.
 
     Returns the processes (each in its own session: ``kill_group`` ends it) and their (stdout, stderr) files:
-    files, not pipes, since a rank blocked on a full pipe would stall its peers.
+    files, not pipes, since a rank blocked on a full pipe would stall its peers. ``env`` may set ``MASTER_PORT``
+    (to find the run's files afterwards).
     """
     module, function = target.split(":")
     code = f"import importlib; importlib.import_module({module!r}).{function}()"
     port = free_port()
     procs, logs = [], []
     for rank in range(world_size):
-        rank_env = clean_env(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size,
-                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(env or {}))
+        rank_env = clean_env(**{"RANK": rank, "WORLD_SIZE": world_size, "LOCAL_RANK": rank,
+                                "LOCAL_WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                **(env or {})})
         rank_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), rank_env.get("PYTHONPATH")]))
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         logs.append((out, err))

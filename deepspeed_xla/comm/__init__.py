@@ -6,7 +6,8 @@
   replica groups that tile the world) and send/recv through host memory (``docs/pipeline.md``).
 
 Nothing registers at import: the accelerator registers the backend its device type names, saying
-whether device buffers are host memory. This package never asks which device it runs on.
+whether device buffers are host memory. This package never asks which device it runs on. From then on,
+groups asked for as gloo are ``xla_host`` groups (``gloo_groups``): XLA tensors never reach plain gloo.
 """
 import importlib
 
@@ -22,7 +23,9 @@ def register_backend(name: str, host_addressable: bool) -> str:
     """
     if name not in BACKENDS:
         raise ValueError(f"{name!r} is not a deepspeed_xla backend; use one of {', '.join(BACKENDS)}.")
-    from deepspeed_xla.comm import staging
+    from deepspeed_xla.comm import gloo_groups, host_staged, staging
     staging.configure(zero_copy=host_addressable)
     importlib.import_module(BACKENDS[name]).register()
+    host_staged.register()
+    gloo_groups.install(host_staged.BACKEND_NAME)
     return name

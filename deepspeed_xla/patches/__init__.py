@@ -3,13 +3,13 @@
 The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
 the XLA accelerator is active. ``tests/patches/test_table.py`` fails when an upstream target changes.
 The wrappers live in one module per DeepSpeed subsystem they patch (``engine``, ``zero``,
-``precision``, ``grad_checks``, ``config``, ``launcher``); ``registry`` defines ``Patch`` and how a
+``precision``, ``grad_checks``, ``config``, ``launcher``, ``comm``); ``registry`` defines ``Patch`` and how a
 patch is checked and applied. Their figures: (docs/performance.md, 'Why the patches exist').
 """
 import warnings
 from importlib import metadata
 
-from deepspeed_xla.patches import config, engine, grad_checks, launcher, precision, zero
+from deepspeed_xla.patches import comm, config, engine, grad_checks, launcher, precision, zero
 # WRITTEN_FOR, Patch, is_applied, source_digest and upstream_digest are this package's API too.
 from deepspeed_xla.patches.registry import WRITTEN_FOR, Patch, _apply, is_applied, source_digest, upstream_digest
 
@@ -75,6 +75,7 @@ PATCHES = [
           config.configure_train_batch_size, "5d0a45deff9d4487"),
     Patch("deepspeed.runtime.config", "", "get_timers_config", config.timers_without_device_wait,
           "f497cad4ad72df4f"),
+    Patch("deepspeed.comm.torch", "TorchBackend", "init_device_mesh", comm.init_device_mesh, "6244115c6499f66b"),
     Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_PATHS", launcher.runner_env_paths, "d40ac82930b5b28f",
           reads=("main", )),
     Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_NAME", launcher.runner_env_name, "d40ac82930b5b28f",
