@@ -114,9 +114,9 @@ def run_ranks(target: str, world_size: int, env: Optional[dict] = None,
 
 TRAIN = REPO / "scripts" / "train.py"
 WARMUP_STEPS = 3  # scripts/train.py's default --warmup-steps
-# The 2-rank runs that tests/launched/test_multiprocess_training.py and tests/launched/test_pipeline.py compare with the CPU accelerator,
-# and tests/launched/test_checkpoint.py resumes (``Trainings`` runs each once): 20 steps, saving a checkpoint at the end of
-# the warm-up, before the steps whose XLA executions the parity tests count.
+# The 2-rank runs that tests/launched/test_multiprocess_training.py and test_pipeline.py compare with the CPU
+# accelerator, and tests/launched/test_checkpoint.py resumes (``Trainings`` runs each once): 20 steps, saving a
+# checkpoint at the end of the warm-up, before the steps whose XLA executions the parity tests count.
 TWO_RANK_RUN = {"num_procs": 2, "steps": 20, "save_at": (WARMUP_STEPS, )}
 
 
