@@ -241,11 +241,6 @@ def counts_per_step(result: dict) -> dict:
     return {key: (end[key] - warm[key]) / (1 if key == "compilations" else steps) for key in end}
 
 
-def max_abs_diff(a, b) -> float:
-    assert len(a) == len(b), (a, b)
-    return max(abs(x - y) for x, y in zip(a, b))
-
-
 # How close a run on XLA must come to the same run on DeepSpeed's CPU accelerator. Losses: fp32 absolute (they are
 # ~1-4); bf16 relative to the CPU run's value, since a bf16 number is only as exact as a fraction of itself. Final
 # weights, element by element: fp32 runs differ by float32 round-off (measured: at most 1.4e-6); bf16 runs by a
