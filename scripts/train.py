@@ -205,7 +205,8 @@ def write_results(engine, losses, path: str, counters: dict, first_step: int = 0
                    **(measured or {})}, handle)
 
 
-def main():
+def main(argv=None) -> None:
+    """Train once with these command-line arguments (``sys.argv`` by default)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1234)
@@ -232,7 +233,7 @@ def main():
                              "of every step: step times without per-step device->host transfers")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     parser = deepspeed.add_config_arguments(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.nan_grad_at is not None and args.pipeline_stages:
         parser.error("--nan-grad-at works on the plain engine only (the pipeline engine runs its own backward)")
     if args.save_at and not args.save_dir:

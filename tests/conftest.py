@@ -88,4 +88,6 @@ def train_module():
 def trainings(tmp_path_factory):
     """``tests.multiproc.Trainings``: ``scripts/train.py`` runs that tests share (each distinct run once a session)."""
     from tests.multiproc import Trainings
-    return Trainings(tmp_path_factory.mktemp("trainings"))
+    trainings = Trainings(tmp_path_factory.mktemp("trainings"))
+    yield trainings
+    trainings.close()

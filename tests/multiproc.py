@@ -113,6 +113,7 @@ def run_ranks(target: str, world_size: int, env: Optional[dict] = None,
 
 
 TRAIN = REPO / "scripts" / "train.py"
+TRAIN_MANY = REPO / "tests" / "train_many.py"
 WARMUP_STEPS = 3  # scripts/train.py's default --warmup-steps
 # The 2-rank runs that tests/launched/test_multiprocess_training.py and test_pipeline.py compare with the CPU
 # accelerator, and tests/launched/test_checkpoint.py resumes (``Trainings`` runs each once): 20 steps, saving a
@@ -136,21 +137,43 @@ def ds_config(stage: int, bf16: bool = False, micro_batch: int = 4, accumulation
     return config
 
 
-def training_command(workdir: Path, accelerator: Optional[str], config: dict, num_procs: int = 1, steps: int = 20,
-                     extra_env: Optional[dict] = None, train_args=()) -> Tuple[List[str], dict, Path]:
-    """The ``deepspeed`` command line of ``run_training``, its environment, and where rank 0's JSON goes."""
+def train_arguments(workdir: Path, label: str, config: dict, steps: int, train_args=()) -> Tuple[List[str], Path]:
+    """``scripts/train.py``'s arguments for one training whose files go to ``workdir/<label>-*.json``, and where rank
+    0's JSON goes."""
     workdir.mkdir(parents=True, exist_ok=True)
-    label = accelerator or "default"
     config_path = workdir / f"{label}-config.json"
     config_path.write_text(json.dumps(config))
     out = workdir / f"{label}-losses.json"
-    env = clean_env(DS_ACCELERATOR=accelerator, **(extra_env or {}))
+    return ["--deepspeed_config", str(config_path), "--steps", str(steps), "--losses-out", str(out), *train_args], out
+
+
+def launch_command(script: Sequence[str], accelerator: Optional[str], num_procs: int = 1,
+                   extra_env: Optional[dict] = None, launcher: str = "deepspeed") -> Tuple[List[str], dict]:
+    """The command that starts ``script`` (a Python file and its arguments) on ``num_procs`` ranks, and its
+    environment.
+
+    ``launcher="python"`` (one process) starts ``python script`` itself, without the ``deepspeed`` runner and its
+    launcher: on XLA the way a user without a launcher does; DeepSpeed's CPU accelerator, which looks for MPI
+    without them, gets the variables a launcher sets for one rank.
+    """
+    env, port = clean_env(DS_ACCELERATOR=accelerator, **(extra_env or {})), str(free_port())
     if accelerator == "cpu":
         env["LOCAL_SIZE"] = str(num_procs)  # DeepSpeed's CPU accelerator counts "devices" from it
-    cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(num_procs), "--master_port", str(free_port()),
-           str(TRAIN), "--deepspeed_config", str(config_path), "--steps", str(steps), "--losses-out", str(out),
-           *train_args]
-    return cmd, env, out
+    if launcher == "python":
+        assert num_procs == 1, "launcher='python' starts one process"
+        if accelerator == "cpu":
+            env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        return [sys.executable, *map(str, script)], env
+    assert launcher == "deepspeed", launcher
+    return [str(VENV_BIN / "deepspeed"), "--num_gpus", str(num_procs), "--master_port", port, *map(str, script)], env
+
+
+def training_command(workdir: Path, accelerator: Optional[str], config: dict, num_procs: int = 1, steps: int = 20,
+                     extra_env: Optional[dict] = None, train_args=(),
+                     launcher: str = "deepspeed") -> Tuple[List[str], dict, Path]:
+    """The command line of ``run_training``, its environment, and where rank 0's JSON goes."""
+    args, out = train_arguments(workdir, accelerator or "default", config, steps, train_args)
+    return (*launch_command([TRAIN, *args], accelerator, num_procs, extra_env, launcher), out)
 
 
 def remove_cpu_comm_buffers(master_port: str) -> None:
@@ -160,22 +183,35 @@ def remove_cpu_comm_buffers(master_port: str) -> None:
         buffer.unlink(missing_ok=True)
 
 
-def run_training(workdir: Path, accelerator: Optional[str], config: dict, num_procs: int = 1, steps: int = 20,
-                 extra_env: Optional[dict] = None, timeout: float = 600, train_args=()) -> dict:
-    """``DS_ACCELERATOR=<accelerator> deepspeed --num_gpus N scripts/train.py``; returns rank 0's JSON, with the
-    other ranks' JSON under ``"other_ranks"``.
-
-    ``accelerator=None`` leaves DS_ACCELERATOR unset. Files go to ``<workdir>/<accelerator>-*.json``.
-    """
-    cmd, env, out = training_command(workdir, accelerator, config, num_procs, steps, extra_env, train_args)
+def run_job(cmd: List[str], env: dict, cwd: Path, timeout: float) -> None:
+    """Run a ``launch_command`` to its end; it must succeed."""
+    port = cmd[cmd.index("--master_port") + 1] if "--master_port" in cmd else env.get("MASTER_PORT")
     try:
-        proc = run_command(cmd, timeout, cwd=workdir, env=env)
+        proc = run_command(cmd, timeout, cwd=cwd, env=env)
     finally:
-        remove_cpu_comm_buffers(cmd[cmd.index("--master_port") + 1])
+        if port:
+            remove_cpu_comm_buffers(port)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def read_results(out: Path, num_procs: int) -> dict:
+    """Rank 0's JSON of a training, with the other ranks' JSON under ``"other_ranks"``."""
     result = json.loads(out.read_text())
     result["other_ranks"] = [json.loads(Path(f"{out}.rank{rank}").read_text()) for rank in range(1, num_procs)]
     return result
+
+
+def run_training(workdir: Path, accelerator: Optional[str], config: dict, num_procs: int = 1, steps: int = 20,
+                 extra_env: Optional[dict] = None, timeout: float = 600, train_args=(),
+                 launcher: str = "deepspeed") -> dict:
+    """``DS_ACCELERATOR=<accelerator> deepspeed --num_gpus N scripts/train.py`` (or ``launch_command``'s other
+    ``launcher``); returns ``read_results``.
+
+    ``accelerator=None`` leaves DS_ACCELERATOR unset. Files go to ``<workdir>/<accelerator>-*.json``.
+    """
+    cmd, env, out = training_command(workdir, accelerator, config, num_procs, steps, extra_env, train_args, launcher)
+    run_job(cmd, env, workdir, timeout)
+    return read_results(out, num_procs)
 
 
 def ranks(result: dict) -> List[dict]:
@@ -183,51 +219,133 @@ def ranks(result: dict) -> List[dict]:
     return [result, *result["other_ranks"]]
 
 
-class Trainings:
-    """``run_training`` runs shared by the tests of a session (the ``trainings`` fixture): each distinct run (the
-    same accelerator, config, processes, steps, arguments and environment) runs once, the first time a test asks
-    for it, and later tests get the same result. Results are shared: tests must not modify them."""
+def training(accelerator: Optional[str], config: dict, num_procs: int = 1, steps: int = 20,
+             train_args: Sequence[str] = (), extra_env: Optional[dict] = None, save_at: Sequence[int] = (),
+             dump_hlo: bool = False, launcher: Optional[str] = None, load_from: Optional[dict] = None) -> dict:
+    """One training of ``Trainings``, as data. ``save_at``: steps after which it saves a checkpoint into its
+    ``result["save_dir"]``; ``dump_hlo``: XLA writes the HLO of every graph it compiles into ``result["hlo_dir"]``;
+    ``load_from``: another training whose checkpoints it resumes from. One process runs as ``python
+    scripts/train.py`` unless ``launcher`` asks for ``deepspeed``: the launcher is under test in the multi-process
+    runs, and skipping its two interpreters halves a one-process run."""
+    return {"accelerator": accelerator, "config": config, "num_procs": num_procs, "steps": steps,
+            "train_args": list(train_args), "extra_env": {k: str(v) for k, v in (extra_env or {}).items()},
+            "save_at": list(save_at), "dump_hlo": dump_hlo,
+            "launcher": launcher or ("python" if num_procs == 1 else "deepspeed"), "load_from": load_from}
 
-    def __init__(self, root: Path):
+
+def _key(spec: dict) -> str:
+    return json.dumps(spec, sort_keys=True, default=str)
+
+
+# What a job's processes share: trainings differing only in this run in one job.
+_JOB = ("accelerator", "num_procs", "extra_env", "dump_hlo", "launcher")
+_PLANNED: Dict[str, List[dict]] = {}
+
+
+def plan(group: str, *trainings: dict) -> None:
+    """Declare trainings (``training(...)``) that tests of this session will ask ``Trainings`` for. When a test
+    first asks for one, those of its group that need the same processes run in one job (``tests/train_many.py``),
+    in the order planned: one launch, one set of interpreters, for all of them. Call at import (collection)."""
+    for spec in trainings:
+        assert not spec["dump_hlo"], "XLA dumps the HLO of a whole job: trainings that dump it run alone"
+        _PLANNED.setdefault(group, []).append(spec)
+
+
+def plan_against_cpu(group: str, config: dict, **kwargs) -> None:
+    """``plan`` the XLA and the CPU-accelerator side of ``Trainings.against_cpu(config, **kwargs)``."""
+    plan(group, training("xla", config, **kwargs), training("cpu", config, **kwargs))
+
+
+class Trainings:
+    """The trainings shared by the tests of a session (the ``trainings`` fixture): each distinct training runs
+    once, the first time a test asks for it (with the rest of its ``plan`` group), and later tests get the same
+    result. Results are shared: tests must not modify them."""
+
+    def __init__(self, root: Path, planned: Optional[Dict[str, List[dict]]] = None):
         self.root = root
+        self._planned = _PLANNED if planned is None else planned
         self._runs: Dict[str, Future] = {}
+        self._workdirs: Dict[str, Path] = {}
+        self._threads: List[threading.Thread] = []
         self._lock = threading.Lock()
 
-    def run(self, accelerator: Optional[str], config: dict, num_procs: int = 1, steps: int = 20,
-            train_args: Sequence[str] = (), extra_env: Optional[dict] = None, save_at: Sequence[int] = (),
-            dump_hlo: bool = False) -> dict:
-        """``run_training``'s result. ``save_at``: steps after which it saves a checkpoint into its
-        ``result["save_dir"]``; ``dump_hlo``: XLA writes the HLO of every graph it compiles into ``result["hlo_dir"]``."""
-        key = json.dumps([accelerator, config, num_procs, steps, list(train_args), extra_env or {}, list(save_at),
-                          dump_hlo], sort_keys=True, default=str)
+    def run(self, accelerator: Optional[str], config: dict, **kwargs) -> dict:
+        """The result of ``training(accelerator, config, **kwargs)``: ``run_training``'s, with ``save_dir`` and
+        ``hlo_dir``."""
+        return self.result(training(accelerator, config, **kwargs))
+
+    def result(self, spec: dict) -> dict:
+        key = _key(spec)
         with self._lock:
-            future, owner = self._runs.get(key), False
-            if future is None:
-                future, owner = self._runs.setdefault(key, Future()), True
-                workdir = self.root / f"run{len(self._runs)}"
-        if owner:
-            try:
-                future.set_result(self._train(workdir, accelerator, config, num_procs, steps, train_args,
-                                              dict(extra_env or {}), save_at, dump_hlo))
-            except BaseException as exc:  # every test waiting on this run fails with the same error
-                future.set_exception(exc)
-        return future.result()
+            jobs = [] if key in self._runs else self._jobs_of(spec)
+            for member in (member for job in jobs for member in job):
+                self._runs[_key(member)] = Future()
+                self._workdirs[_key(member)] = self.root / f"run{len(self._workdirs)}"
+        for job in jobs[1:]:  # the group's other jobs (the CPU side of an XLA job) run meanwhile
+            thread = threading.Thread(target=self._launch, args=(job, ), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        if jobs:
+            self._launch(jobs[0])
+        return self._runs[key].result()
 
-    @staticmethod
-    def _train(workdir, accelerator, config, num_procs, steps, train_args, extra_env, save_at, dump_hlo) -> dict:
-        train_args = list(train_args)
-        if save_at:
-            train_args += ["--save-dir", str(workdir / "checkpoints"), "--save-at", *map(str, save_at)]
-        if dump_hlo:
-            flags = extra_env.get("XLA_FLAGS", FAST_COMPILE["XLA_FLAGS"])
-            extra_env["XLA_FLAGS"] = f"{flags} --xla_dump_to={workdir / 'hlo'} --xla_dump_hlo_as_text"
-        result = run_training(workdir, accelerator, config, num_procs, steps, extra_env, train_args=train_args)
-        return {**result, "save_dir": workdir / "checkpoints" if save_at else None,
-                "hlo_dir": workdir / "hlo" if dump_hlo else None}
+    def close(self) -> None:
+        """Wait for the jobs started for other tests (a session that asked for only part of a group)."""
+        for thread in self._threads:
+            thread.join()
 
-    def against_cpu(self, config: dict, dump_hlo: bool = False, **kwargs) -> Tuple[dict, dict]:
-        """The same training on XLA (with ``dump_hlo``) and on DeepSpeed's CPU accelerator, run concurrently;
-        ``(xla, cpu)``. ``kwargs`` go to ``run`` for both."""
+    def _jobs_of(self, spec: dict) -> List[List[dict]]:
+        """The jobs that start when ``spec`` is first asked for: its own first (``spec`` and the trainings planned
+        with it that need the same processes), then the other jobs of its group; only trainings not yet started."""
+        key = _key(spec)
+        group = next((group for group in self._planned.values() if any(_key(p) == key for p in group)), [spec])
+        jobs: Dict[str, Dict[str, dict]] = {}
+        for planned in group:
+            if _key(planned) not in self._runs:
+                jobs.setdefault(_key({f: planned[f] for f in _JOB}), {})[_key(planned)] = planned
+        own = _key({f: spec[f] for f in _JOB})
+        return [list(jobs.pop(own).values()), *(list(job.values()) for job in jobs.values())]
+
+    def _launch(self, job: List[dict]) -> None:
+        """Run ``job``'s trainings in one launched job; each one's future gets its result (or the job's error)."""
+        try:
+            first = job[0]
+            extra_env, runs = dict(first["extra_env"]), []
+            for spec in job:
+                workdir = self._workdirs[_key(spec)]
+                args = list(spec["train_args"])
+                if spec["save_at"]:
+                    args += ["--save-dir", str(workdir / "checkpoints"), "--save-at", *map(str, spec["save_at"])]
+                if spec["load_from"]:
+                    args += ["--load-dir", str(self.result(spec["load_from"])["save_dir"])]
+                if spec["dump_hlo"]:
+                    flags = extra_env.get("XLA_FLAGS", FAST_COMPILE["XLA_FLAGS"])
+                    extra_env["XLA_FLAGS"] = f"{flags} --xla_dump_to={workdir / 'hlo'} --xla_dump_hlo_as_text"
+                args, out = train_arguments(workdir, spec["accelerator"] or "default", spec["config"], spec["steps"],
+                                            args)
+                runs.append((spec, workdir, args, out))
+            if len(runs) == 1:
+                script = [TRAIN, *runs[0][2]]
+            else:
+                plan_file = runs[0][1] / "runs.json"
+                plan_file.write_text(json.dumps([args for _, _, args, _ in runs]))
+                script = [TRAIN_MANY, "--runs", plan_file]
+            cmd, env = launch_command(script, first["accelerator"], first["num_procs"], extra_env, first["launcher"])
+            run_job(cmd, env, runs[0][1], timeout=600 + 120 * len(runs))
+            for spec, workdir, _, out in runs:
+                self._runs[_key(spec)].set_result({
+                    **read_results(out, spec["num_procs"]),
+                    "save_dir": workdir / "checkpoints" if spec["save_at"] else None,
+                    "hlo_dir": workdir / "hlo" if spec["dump_hlo"] else None})
+        except BaseException as exc:  # every test waiting on this job fails with the same error
+            for spec in job:
+                if not self._runs[_key(spec)].done():
+                    self._runs[_key(spec)].set_exception(exc)
+
+    def against_cpu(self, config: dict, **kwargs) -> Tuple[dict, dict]:
+        """The same training on XLA and on DeepSpeed's CPU accelerator, run concurrently; ``(xla, cpu)``. ``kwargs``
+        go to ``training`` for both (``dump_hlo`` to the XLA side only)."""
+        dump_hlo = kwargs.pop("dump_hlo", False)
         with ThreadPoolExecutor(max_workers=2) as pool:
             xla = pool.submit(self.run, "xla", config, dump_hlo=dump_hlo, **kwargs)
             cpu = pool.submit(self.run, "cpu", config, **kwargs)

@@ -2,9 +2,9 @@
 survives a rank dying mid-save.
 
 Each resume test is two 2-rank runs through the ``deepspeed`` CLI: 20 steps saving at step 3 (the run the parity
-tests compare with the CPU accelerator), then a fresh job that loads that checkpoint, trains steps 3-19 and saves at
-step 20. The second job must repeat the first one's losses and weights exactly (the same XLA graphs on the same
-values).
+tests compare with the CPU accelerator), then a new job (one for all configurations) that loads that checkpoint,
+trains steps 3-19 and saves at step 20. The second job must repeat the first one's losses and weights exactly (the
+same XLA graphs on the same values).
 """
 import json
 import shutil
@@ -17,7 +17,7 @@ import torch
 
 from deepspeed_xla import checkpoint, xla_runtime
 from tests.conftest import FIXTURES, clean_env
-from tests.multiproc import (TWO_RANK_RUN, assert_trains_like, ds_config, ranks, run_command, run_training,
+from tests.multiproc import (TWO_RANK_RUN, assert_trains_like, ds_config, plan, ranks, run_command, training,
                              training_command)
 
 PIPELINE = ("--pipeline-stages", "2")
@@ -107,27 +107,28 @@ def load_without_torch_xla(folder: Path, zero_tag: str = "") -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def train_and_resume(trainings, workdir: Path, name: str) -> dict:
-    """The uninterrupted run (saving at step ``RESUMED_AT``: shared with the parity tests) and the resumed one
-    (saving at step 20)."""
+def uninterrupted(name: str) -> dict:
+    """The 2-rank run saving at step ``RESUMED_AT`` (shared with the parity tests)."""
     config, args = CONFIGS[name]
-    full = trainings.run("xla", config, train_args=args, **TWO_RANK_RUN)
-    last = workdir / "at20"
-    resumed = run_training(workdir / "resumed", "xla", config, num_procs=2, steps=20,
-                           train_args=(*args, "--load-dir", str(full["save_dir"]), "--save-dir", str(last),
-                                       "--save-at", "20"))
-    return {"full": full, "resumed": resumed, "first": full["save_dir"], "at20": last}
+    return training("xla", config, train_args=args, **TWO_RANK_RUN)
+
+
+def resumed(name: str) -> dict:
+    """A new job that resumes ``uninterrupted(name)`` at step ``RESUMED_AT`` and saves at step 20."""
+    config, args = CONFIGS[name]
+    return training("xla", config, num_procs=2, steps=20, train_args=args, save_at=(20, ),
+                    load_from=uninterrupted(name))
+
+
+plan("resume", *map(resumed, CONFIGS))  # one job resumes every configuration, after the jobs that saved them
 
 
 @pytest.fixture(scope="module")
-def runs(trainings, tmp_path_factory):
-    """``runs(name)``: ``train_and_resume`` for config ``name``, run once per test session."""
-    done = {}
-
+def runs(trainings):
+    """``runs(name)``: the uninterrupted and the resumed run of configuration ``name``."""
     def get(name: str) -> dict:
-        if name not in done:
-            done[name] = train_and_resume(trainings, tmp_path_factory.mktemp(name), name)
-        return done[name]
+        full, again = trainings.result(uninterrupted(name)), trainings.result(resumed(name))
+        return {"full": full, "resumed": again, "first": full["save_dir"], "at20": again["save_dir"]}
 
     return get
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from tests.conftest import FIXTURES
-from tests.multiproc import (TWO_RANK_RUN, assert_trains_like, counts_per_step, ds_config, ranks, run_training,
-                             training_dtype)
+from tests.multiproc import (TWO_RANK_RUN, assert_trains_like, counts_per_step, ds_config, plan_against_cpu, ranks,
+                             run_training, training_dtype)
 
 # PJRT CPU has no XLA collectives, so each host-staged collective first runs the graph computing its operands:
 # ZeRO-1/2 run 4 graphs per step, ZeRO-3 5 (docs/performance.md, "Two processes on PJRT CPU"); ZeRO-0, where the
@@ -16,10 +16,24 @@ from tests.multiproc import (TWO_RANK_RUN, assert_trains_like, counts_per_step, 
 EXECUTIONS_PER_STEP = {(0, False): 3, (0, True): 2, (1, False): 4, (1, True): 4, (2, False): 4, (2, True): 4,
                        (3, False): 5, (3, True): 5}
 PROBE_DIR = FIXTURES / "runtime_probe"
+STAGES, PRECISIONS = [0, 1, 2, 3], {"fp32": False, "bf16": True}
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def _persistent_config() -> dict:
+    config = ds_config(3)
+    del config["zero_optimization"]["stage3_param_persistence_threshold"]
+    return config
+
+
+# One job per accelerator trains all of these (tests.multiproc.plan), with test_pipeline.py's 2-rank runs.
+for _stage in STAGES:
+    for _bf16 in PRECISIONS.values():
+        plan_against_cpu("two-rank", ds_config(_stage, bf16=_bf16), **TWO_RANK_RUN)
+plan_against_cpu("two-rank", _persistent_config(), num_procs=2, steps=6)
+
+
+@pytest.mark.parametrize("bf16", PRECISIONS.values(), ids=PRECISIONS)
+@pytest.mark.parametrize("stage", STAGES)
 def test_two_ranks_match_cpu_accelerator(trainings, stage, bf16):
     """ZeRO-0 is plain data parallel: DeepSpeed all-reduces the gradients itself. The XLA runs are the ones
     tests/launched/test_checkpoint.py resumes (``TWO_RANK_RUN``)."""
@@ -36,8 +50,7 @@ def test_two_ranks_match_cpu_accelerator(trainings, stage, bf16):
 def test_zero3_persistent_parameters_match_cpu_accelerator(trainings):
     """DeepSpeed's default ``stage3_param_persistence_threshold`` keeps this model's small parameters gathered
     between steps (``ds_config`` partitions every parameter): they are all-gathered together after each step."""
-    config = ds_config(3)
-    del config["zero_optimization"]["stage3_param_persistence_threshold"]
+    config = _persistent_config()
     xla, cpu = trainings.against_cpu(config, num_procs=2, steps=6)
     assert_trains_like(xla, cpu, training_dtype(config))
     # The post-step gathers of all persistent parameters run as one staged execution, not one per parameter.

@@ -1,24 +1,51 @@
 """One XLA process trains exactly like DeepSpeed's own CPU accelerator (same seed, same data).
 
-Both sides run ``scripts/train.py`` through the real ``deepspeed`` CLI; the reference is computed in
-the same test. ``tests.multiproc.assert_trains_like`` compares the per-step losses and the final weights.
+Both sides run ``python scripts/train.py`` as one process (``tests.multiproc.Trainings``; the multi-process tests
+go through the ``deepspeed`` CLI); the reference is computed in the same test. ``tests.multiproc.assert_trains_like``
+compares the per-step losses and the final weights.
 """
 import math
 import re
 
 import pytest
 
-from tests.multiproc import assert_trains_like, counts_per_step, ds_config, training_dtype
+from tests.multiproc import (assert_trains_like, counts_per_step, ds_config, plan, plan_against_cpu, training,
+                             training_dtype)
 
 # bf16 ZeRO-1 accumulating gradients in fp32 runs DeepSpeed's BF16_Optimizer (as bf16 pipelines do).
 BF16_OPTIMIZER = {"data_types": {"grad_accum_dtype": "fp32"}}
 BF16_OPTIMIZER_CONFIG = ds_config(1, bf16=True, accumulation=2, gradient_clipping=0.5, **BF16_OPTIMIZER)
+CLIENT_OPTIMIZER_STAGES = [2, 3]
+NAN_SKIP_CASES = {"zero1": (1, False), "zero3": (3, False), "bf16-zero0": (0, True)}
+NAN_SKIP_ARGS = ("--client-optimizer", "sgd", "--nan-grad-at", "3")
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_single_process_losses_match_cpu_accelerator(trainings, stage, bf16):
-    config = ds_config(stage, bf16=bf16)
+def _client_optimizer_config(stage: int) -> dict:
+    config = ds_config(stage, accumulation=2, gradient_clipping=0.5,
+                       scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}})
+    del config["optimizer"]
+    return config
+
+
+def _nan_skip_config(stage: int, bf16: bool) -> dict:
+    return ds_config(stage, bf16=bf16, zero_allow_untested_optimizer=True)
+
+
+# These run in one job per accelerator (tests.multiproc.plan). XLA runs that dump their HLO run alone, so only the
+# CPU-accelerator side of the runs below that dump it shares a job.
+for _stage in CLIENT_OPTIMIZER_STAGES:
+    plan_against_cpu("one-process", _client_optimizer_config(_stage), steps=8, train_args=("--client-optimizer", ))
+for _stage, _bf16 in NAN_SKIP_CASES.values():
+    plan_against_cpu("one-process", _nan_skip_config(_stage, _bf16), steps=7, train_args=NAN_SKIP_ARGS)
+SINGLE_PROCESS_CONFIGS = {f"{stage}-{'bf16' if bf16 else 'fp32'}": ds_config(stage, bf16=bf16)
+                          for stage in range(4) for bf16 in (False, True)}
+plan("one-process", *(training("cpu", config) for config in SINGLE_PROCESS_CONFIGS.values()),
+     training("cpu", BF16_OPTIMIZER_CONFIG, steps=8))
+
+
+@pytest.mark.parametrize("name", SINGLE_PROCESS_CONFIGS)
+def test_single_process_losses_match_cpu_accelerator(trainings, name):
+    config = SINGLE_PROCESS_CONFIGS[name]
     xla, cpu = trainings.against_cpu(config, dump_hlo=True)
     assert len(xla["losses"]) == 20
     assert xla["losses"][-1] < xla["losses"][0] - 0.5, "the model did not train"
@@ -28,13 +55,11 @@ def test_single_process_losses_match_cpu_accelerator(trainings, stage, bf16):
     assert counts_per_step(xla) == {"compilations": 0, "executions": 1, "transfers_to_host": 1}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", CLIENT_OPTIMIZER_STAGES)
 def test_client_optimizer_accumulation_clipping_and_scheduler(trainings, stage):
     """A torch optimizer built before ``initialize`` (on the CPU parameters), gradient accumulation,
     clipping and an LR schedule: the engine must move the model without orphaning the optimizer."""
-    config = ds_config(stage, accumulation=2, gradient_clipping=0.5,
-                       scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}})
-    del config["optimizer"]
+    config = _client_optimizer_config(stage)
     xla, cpu = trainings.against_cpu(config, steps=8, train_args=("--client-optimizer", ))
     assert xla["losses"][-1] < xla["losses"][0]
     assert_trains_like(xla, cpu, training_dtype(config))
@@ -48,13 +73,13 @@ def test_bf16_optimizer_accumulation_and_clipping_match_cpu_accelerator(training
     assert counts_per_step(xla) == {"compilations": 0, "executions": 2, "transfers_to_host": 2}
 
 
-@pytest.mark.parametrize("stage,bf16", [(1, False), (3, False), (0, True)], ids=["zero1", "zero3", "bf16-zero0"])
+@pytest.mark.parametrize("stage,bf16", NAN_SKIP_CASES.values(), ids=NAN_SKIP_CASES)
 def test_step_with_invalid_gradients_is_skipped_as_on_cpu(trainings, stage, bf16):
     """NaN gradients at step 3: DeepSpeed skips the step on the host (CPU), deepspeed_xla on the device.
 
     SGD with momentum keeps no step count, so the two skips leave exactly the same state."""
-    config = ds_config(stage, bf16=bf16, zero_allow_untested_optimizer=True)
-    xla, cpu = trainings.against_cpu(config, steps=7, train_args=("--client-optimizer", "sgd", "--nan-grad-at", "3"))
+    config = _nan_skip_config(stage, bf16)
+    xla, cpu = trainings.against_cpu(config, steps=7, train_args=NAN_SKIP_ARGS)
     assert (xla["skipped_steps"], cpu["skipped_steps"]) == (1, 1)
     assert_trains_like(xla, cpu, training_dtype(config))
 
@@ -67,8 +92,7 @@ def _select_sizes(hlo_dir) -> list:
 
 
 @pytest.mark.parametrize("config,steps",
-                         [pytest.param(ds_config(stage, bf16=bf16), 20, id=f"{stage}-{'bf16' if bf16 else 'fp32'}")
-                          for stage in range(4) for bf16 in (False, True)]
+                         [pytest.param(config, 20, id=name) for name, config in SINGLE_PROCESS_CONFIGS.items()]
                          + [pytest.param(BF16_OPTIMIZER_CONFIG, 8, id="1-bf16-optimizer")])
 def test_step_graph_does_not_copy_into_slices_of_flat_buffers(trainings, train_module, config, steps):
     """torch_xla lowers a copy into a slice of a flat buffer as a select over the whole buffer, so
