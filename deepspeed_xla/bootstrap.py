@@ -33,6 +33,7 @@ _AFTER_IMPORT = {
     "deepspeed.runtime.zero.parameter_offload": _PATCHES_HOOK,
     "deepspeed.runtime.fp16.loss_scaler": _PATCHES_HOOK,
     "deepspeed.runtime.fp16.fused_optimizer": _PATCHES_HOOK,
+    "deepspeed.runtime.fp16.unfused_optimizer": _PATCHES_HOOK,
     "deepspeed.launcher.runner": _PATCHES_HOOK,
     "deepspeed.comm.torch": _PATCHES_HOOK,
 }

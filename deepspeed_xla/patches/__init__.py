@@ -18,6 +18,7 @@ from deepspeed_xla.patches.registry import WRITTEN_FOR, Patch, _apply, is_applie
 _HAS_INF_OR_NAN_DIGEST = "f2891c8e640be50c"
 
 _FP16_OPTIMIZER = "deepspeed.runtime.fp16.fused_optimizer"
+_UNFUSED_OPTIMIZER = "deepspeed.runtime.fp16.unfused_optimizer"
 
 PATCHES = [
     *(Patch(module, "", "has_inf_or_nan", grad_checks.has_inf_or_nan, _HAS_INF_OR_NAN_DIGEST)
@@ -27,10 +28,13 @@ PATCHES = [
       for module in ("deepspeed.runtime.utils", "deepspeed.runtime.bf16_optimizer")),
     *(Patch(module, "", "is_invalid_grad_norm", grad_checks.is_invalid_grad_norm, "6afd483e2c88e25e")
       for module in ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3",
-                     "deepspeed.runtime.bf16_optimizer", _FP16_OPTIMIZER)),
-    Patch(_FP16_OPTIMIZER, "", "CheckOverflow", precision.fp16_optimizer_overflow_checker, "ad6225ec62eec6f0"),
+                     "deepspeed.runtime.bf16_optimizer", _FP16_OPTIMIZER, _UNFUSED_OPTIMIZER)),
+    *(Patch(module, "", "CheckOverflow", precision.fp16_optimizer_overflow_checker, "ad6225ec62eec6f0")
+      for module in (_FP16_OPTIMIZER, _UNFUSED_OPTIMIZER)),
     Patch(_FP16_OPTIMIZER, "", "get_flattened_grad_norm", precision.get_flattened_grad_norm, "0ac9d7bf88d477dc"),
-    Patch(_FP16_OPTIMIZER, "", "get_global_norm", precision.get_global_norm, "2279a25f9445daa5"),
+    Patch(_UNFUSED_OPTIMIZER, "", "get_weight_norm", precision.get_weight_norm, "c62f70351cebc9ad"),
+    *(Patch(module, "", "get_global_norm", precision.get_global_norm, "2279a25f9445daa5")
+      for module in (_FP16_OPTIMIZER, _UNFUSED_OPTIMIZER)),
     Patch("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "update_hp_grads",
           precision.bf16_optimizer_update_hp_grads, "2e3323daf69099fd",
           reads=("update_hp_grads", "_update_hp_grad", "_setup_for_real_optimizer")),
@@ -41,6 +45,9 @@ PATCHES = [
           reads=("step", "__init__")),
     Patch(_FP16_OPTIMIZER, "FP16_Optimizer", "unscale_and_clip_grads", precision.fp16_optimizer_unscale_and_clip_grads,
           "87c72c13927c20de"),
+    Patch(_UNFUSED_OPTIMIZER, "FP16_UnfusedOptimizer", "unscale_and_clip_grads",
+          precision.unfused_optimizer_unscale_and_clip_grads, "40c007a365c26f97",
+          reads=("unscale_and_clip_grads", "step")),
     Patch("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "has_overflow",
           zero.stage_1_and_2_has_overflow, "cadc27a13cb7e977"),
     Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "partition_grads",

@@ -136,10 +136,12 @@ def configure_optimizer(original):
         original(self, client_optimizer, model_parameters)
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
         from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
         wrapper = self.optimizer
-        if isinstance(wrapper, (BF16_Optimizer, FP16_Optimizer, DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+        if isinstance(wrapper, (BF16_Optimizer, FP16_Optimizer, FP16_UnfusedOptimizer, DeepSpeedZeroOptimizer,
+                                DeepSpeedZeroOptimizer_Stage3)):
             from deepspeed_xla import step_guard
 
             def count(skipped):

@@ -1,4 +1,5 @@
-"""Patches of DeepSpeed's mixed-precision optimizers: ``FP16_Optimizer`` (bf16 without ZeRO), ``BF16_Optimizer``.
+"""Patches of DeepSpeed's mixed-precision optimizers: ``FP16_Optimizer`` (bf16 without ZeRO),
+``FP16_UnfusedOptimizer`` (the same with an optimizer DeepSpeed does not fuse, such as a torch one), ``BF16_Optimizer``.
 
 They update, clip and test their flat buffers one parameter view at a time (a whole-buffer select each
 on XLA) and read the gradient norm and overflow flags on the host (a graph execution each). These
@@ -83,11 +84,12 @@ def bf16_optimizer_grads_for_clipping(original):
 
 
 def fp16_optimizer_overflow_checker(original):
-    """bf16 without ZeRO (``FP16_Optimizer``): leave its per-gradient overflow test to the device.
+    """bf16 without ZeRO (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``): leave the per-gradient overflow test to the
+    device.
 
     Upstream reads one flag per gradient (a graph execution each). The step's gradient norm, which
     ``step_guard`` tests on the device, is inf or NaN whenever a gradient is. Patched only in the
-    module binding ``FP16_Optimizer`` uses; fp16 itself is rejected on XLA (``config_checks``).
+    modules binding the two optimizers use; fp16 itself is rejected on XLA (``config_checks``).
     """
 
     class DeviceCheckedOverflow(original):
@@ -125,6 +127,26 @@ def get_flattened_grad_norm(original):
     return get_flattened_grad_norm
 
 
+def get_weight_norm(original):
+    """The 2-norm of these tensors as a device tensor; upstream reads each one's norm.
+
+    ``FP16_UnfusedOptimizer`` passes it the gradients. inf and NaN stay as they are where upstream returns its
+    -1 sentinel (both are invalid norms). Model parallelism and other norm types take the upstream path.
+    """
+
+    @functools.wraps(original)
+    def get_weight_norm(parameters, norm_type=2, mpu=None):
+        import torch
+        tensors = [parameters] if torch.is_tensor(parameters) else list(parameters)
+        if not tensors or mpu is not None or float(norm_type) != 2.0 or any(t.device.type != "xla" for t in tensors):
+            return original(parameters, norm_type, mpu)
+        from deepspeed.runtime.utils import PIPE_REPLICATED
+        kept = [t for t in tensors if not (hasattr(t, PIPE_REPLICATED) and t.ds_pipe_replicated)]
+        return torch.stack([t.detach().float().norm(2) for t in kept]).square().sum().sqrt()
+
+    return get_weight_norm
+
+
 def get_global_norm(original):
     """Combine device norms on the device: upstream tests each on the host and takes ``math.sqrt``."""
 
@@ -143,17 +165,44 @@ def get_global_norm(original):
     return get_global_norm
 
 
+def unfused_optimizer_unscale_and_clip_grads(original):
+    """``FP16_UnfusedOptimizer``: ``clip = max(clip, 1)`` on the device instead of testing ``clip > 1`` on the host."""
+
+    @functools.wraps(original)
+    def unscale_and_clip_grads(self, total_norm, apply_scale=True):
+        if not _clips_on_device(self, total_norm):
+            return original(self, total_norm, apply_scale)
+        combined_scale = _combined_scale(self, total_norm)
+        if apply_scale:
+            for group in self.fp32_groups:
+                for param in group:
+                    if param.grad is not None:
+                        param.grad.data.mul_(1. / combined_scale)
+        return combined_scale
+
+    return unscale_and_clip_grads
+
+
+def _clips_on_device(optimizer, total_norm) -> bool:
+    import torch
+    return optimizer.clip_grad > 0. and torch.is_tensor(total_norm) and total_norm.device.type == "xla"
+
+
+def _combined_scale(optimizer, total_norm):
+    """Upstream's loss scale times ``clip`` where ``clip > 1``, as ``max(clip, 1)``: the same values."""
+    import torch
+    cur_scale = optimizer.loss_scale_config.cur_scale
+    return torch.clamp(((total_norm / cur_scale) + 1e-6) / optimizer.clip_grad, min=1.0) * cur_scale
+
+
 def fp16_optimizer_unscale_and_clip_grads(original):
-    """``clip = max(clip, 1)`` on the device instead of testing ``clip > 1`` on the host (same values)."""
+    """``FP16_Optimizer``: ``clip = max(clip, 1)`` on the device instead of testing ``clip > 1`` on the host."""
 
     @functools.wraps(original)
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm, apply_scale=True):
-        import torch
-        if self.clip_grad <= 0. or not torch.is_tensor(total_norm) or total_norm.device.type != "xla":
+        if not _clips_on_device(self, total_norm):
             return original(self, grad_groups_flat, total_norm, apply_scale)
-        cur_scale = self.loss_scale_config.cur_scale
-        clip = torch.clamp(((total_norm / cur_scale) + 1e-6) / self.clip_grad, min=1.0)
-        combined_scale = clip * cur_scale
+        combined_scale = _combined_scale(self, total_norm)
         if apply_scale:
             for grad in grad_groups_flat:
                 grad.data.mul_(1. / combined_scale)

@@ -82,6 +82,10 @@ def test_step_with_invalid_gradients_is_skipped_as_on_cpu(trainings, stage, bf16
     xla, cpu = trainings.against_cpu(config, steps=7, train_args=NAN_SKIP_ARGS)
     assert (xla["skipped_steps"], cpu["skipped_steps"]) == (1, 1)
     assert_trains_like(xla, cpu, training_dtype(config))
+    # The skip stays on the device: one graph and one host read a step. bf16 without ZeRO and with a torch optimizer
+    # is DeepSpeed's FP16_UnfusedOptimizer, which reads each gradient on the host upstream. The one compilation
+    # after warm-up is the NaN step's own graph (its loss times NaN).
+    assert counts_per_step(xla) == {"compilations": 1, "executions": 1, "transfers_to_host": 1}
 
 
 def _select_sizes(hlo_dir) -> list:
