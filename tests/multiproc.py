@@ -247,7 +247,7 @@ def plan(group: str, *trainings: dict) -> None:
     first asks for one, those of its group that need the same processes run in one job (``tests/train_many.py``),
     in the order planned: one launch, one set of interpreters, for all of them. Call at import (collection)."""
     for spec in trainings:
-        assert not spec["dump_hlo"], "XLA dumps the HLO of a whole job: trainings that dump it run alone"
+        assert not spec["dump_hlo"] or spec["num_procs"] == 1, "the HLO of a job's runs is told apart on one rank"
         _PLANNED.setdefault(group, []).append(spec)
 
 
@@ -309,8 +309,7 @@ class Trainings:
     def _launch(self, job: List[dict]) -> None:
         """Run ``job``'s trainings in one launched job; each one's future gets its result (or the job's error)."""
         try:
-            first = job[0]
-            extra_env, runs = dict(first["extra_env"]), []
+            first, runs = job[0], []
             for spec in job:
                 workdir = self._workdirs[_key(spec)]
                 args = list(spec["train_args"])
@@ -318,23 +317,26 @@ class Trainings:
                     args += ["--save-dir", str(workdir / "checkpoints"), "--save-at", *map(str, spec["save_at"])]
                 if spec["load_from"]:
                     args += ["--load-dir", str(self.result(spec["load_from"])["save_dir"])]
-                if spec["dump_hlo"]:
-                    flags = extra_env.get("XLA_FLAGS", FAST_COMPILE["XLA_FLAGS"])
-                    extra_env["XLA_FLAGS"] = f"{flags} --xla_dump_to={workdir / 'hlo'} --xla_dump_hlo_as_text"
                 args, out = train_arguments(workdir, spec["accelerator"] or "default", spec["config"], spec["steps"],
                                             args)
-                runs.append((spec, workdir, args, out))
+                runs.append({"args": args, "hlo_dir": str(workdir / "hlo") if spec["dump_hlo"] else None})
+            extra_env, jobdir = dict(first["extra_env"]), self._workdirs[_key(first)]
+            dumps = jobdir / ("hlo" if len(runs) == 1 else "job-hlo")
+            if first["dump_hlo"]:
+                flags = extra_env.get("XLA_FLAGS", FAST_COMPILE["XLA_FLAGS"])
+                extra_env["XLA_FLAGS"] = f"{flags} --xla_dump_to={dumps} --xla_dump_hlo_as_text"
             if len(runs) == 1:
-                script = [TRAIN, *runs[0][2]]
+                script = [TRAIN, *runs[0]["args"]]
             else:
-                plan_file = runs[0][1] / "runs.json"
-                plan_file.write_text(json.dumps([args for _, _, args, _ in runs]))
-                script = [TRAIN_MANY, "--runs", plan_file]
+                plan_file = jobdir / "runs.json"
+                plan_file.write_text(json.dumps(runs))
+                script = [TRAIN_MANY, "--runs", plan_file, *(("--hlo-dumps", dumps) if first["dump_hlo"] else ())]
             cmd, env = launch_command(script, first["accelerator"], first["num_procs"], extra_env, first["launcher"])
-            run_job(cmd, env, runs[0][1], timeout=600 + 120 * len(runs))
-            for spec, workdir, _, out in runs:
+            run_job(cmd, env, jobdir, timeout=600 + 120 * len(runs))
+            for spec in job:
+                workdir = self._workdirs[_key(spec)]
                 self._runs[_key(spec)].set_result({
-                    **read_results(out, spec["num_procs"]),
+                    **read_results(workdir / f"{spec['accelerator'] or 'default'}-losses.json", spec["num_procs"]),
                     "save_dir": workdir / "checkpoints" if spec["save_at"] else None,
                     "hlo_dir": workdir / "hlo" if spec["dump_hlo"] else None})
         except BaseException as exc:  # every test waiting on this job fails with the same error

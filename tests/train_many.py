@@ -1,6 +1,7 @@
 """Several ``scripts/train.py`` trainings, one after the other, in one launched job.
 
-    deepspeed --num_gpus 2 tests/train_many.py --runs runs.json    # runs.json: a list of train.py argument lists
+    deepspeed --num_gpus 2 tests/train_many.py --runs runs.json
+    # runs.json: [{"args": [train.py arguments], "hlo_dir": null or where this run's HLO dumps go}, ...]
 
 ``tests.multiproc.Trainings`` launches the runs of one planned group this way: each is a fresh
 ``deepspeed.initialize`` on a fresh model, and the job's interpreters, imports and runtime start-up are paid
@@ -17,19 +18,32 @@ TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", required=True, help="JSON file: a list of scripts/train.py argument lists")
+    parser.add_argument("--runs", required=True, help="JSON file: the runs (see the module docstring)")
+    parser.add_argument("--hlo-dumps", type=Path, default=None,
+                        help="the --xla_dump_to folder of XLA_FLAGS (one process): after each run, its files move to "
+                             "that run's hlo_dir")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher; unused")
     args = parser.parse_args()
     train = load_example(str(TRAIN))
     import torch
     from deepspeed.utils import groups
     linear, mpu = torch.nn.functional.linear, groups.mpu
-    for argv in json.loads(Path(args.runs).read_text()):
-        train.main(argv)
+    for run in json.loads(Path(args.runs).read_text()):
+        train.main(run["args"])
         # What DeepSpeed leaves to the rest of a process, which the next run (in a job of its own) would not
         # find: ZeRO-3's memory-efficient torch.nn.functional.linear ("This will persist unless manually
         # reset", it logs) and a pipeline engine's grid in deepspeed.utils.groups.mpu.
         torch.nn.functional.linear, groups.mpu = linear, mpu
+        if run["hlo_dir"]:
+            take_dumps(args.hlo_dumps, Path(run["hlo_dir"]))
+
+
+def take_dumps(dumps: Path, hlo_dir: Path) -> None:
+    """Move what XLA dumped into ``dumps`` to ``hlo_dir``: the graphs this run compiled (earlier runs took theirs).
+    A graph this run took from the compilation cache of an earlier run is not there."""
+    hlo_dir.mkdir(parents=True, exist_ok=True)
+    for path in dumps.iterdir():
+        path.rename(hlo_dir / path.name)
 
 
 if __name__ == "__main__":

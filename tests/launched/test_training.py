@@ -31,16 +31,17 @@ def _nan_skip_config(stage: int, bf16: bool) -> dict:
     return ds_config(stage, bf16=bf16, zero_allow_untested_optimizer=True)
 
 
-# These run in one job per accelerator (tests.multiproc.plan). XLA runs that dump their HLO run alone, so only the
-# CPU-accelerator side of the runs below that dump it shares a job.
+# These run in one job per accelerator (tests.multiproc.plan); the XLA runs that dump their HLO in a job of their own.
 for _stage in CLIENT_OPTIMIZER_STAGES:
     plan_against_cpu("one-process", _client_optimizer_config(_stage), steps=8, train_args=("--client-optimizer", ))
 for _stage, _bf16 in NAN_SKIP_CASES.values():
     plan_against_cpu("one-process", _nan_skip_config(_stage, _bf16), steps=7, train_args=NAN_SKIP_ARGS)
 SINGLE_PROCESS_CONFIGS = {f"{stage}-{'bf16' if bf16 else 'fp32'}": ds_config(stage, bf16=bf16)
                           for stage in range(4) for bf16 in (False, True)}
-plan("one-process", *(training("cpu", config) for config in SINGLE_PROCESS_CONFIGS.values()),
-     training("cpu", BF16_OPTIMIZER_CONFIG, steps=8))
+for _accelerator, _dump_hlo in (("xla", True), ("cpu", False)):
+    plan("one-process", *(training(_accelerator, config, dump_hlo=_dump_hlo)
+                          for config in SINGLE_PROCESS_CONFIGS.values()),
+         training(_accelerator, BF16_OPTIMIZER_CONFIG, steps=8, dump_hlo=_dump_hlo))
 
 
 @pytest.mark.parametrize("name", SINGLE_PROCESS_CONFIGS)
