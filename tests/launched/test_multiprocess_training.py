@@ -57,11 +57,20 @@ def test_zero3_persistent_parameters_match_cpu_accelerator(trainings):
     assert counts_per_step(xla) == {"compilations": 0, "executions": 4, "transfers_to_host": 1}
 
 
-def test_launcher_processes_never_start_the_runtime(tmp_path):
-    log = tmp_path / "runtime.jsonl"
-    run_training(tmp_path, "xla", ds_config(2), num_procs=2, steps=2,
-                 extra_env={"PYTHONPATH": str(PROBE_DIR), "DSX_TEST_RUNTIME_LOG": str(log)})
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+@pytest.fixture(scope="module")
+def env_file_run(tmp_path_factory) -> dict:
+    """2 ranks, 2 steps, with ``DS_ACCELERATOR=xla`` only in the working directory's ``.deepspeed_env``, every
+    process recording at exit whether it started the XLA runtime (``runtime.jsonl``)."""
+    workdir = tmp_path_factory.mktemp("env_file")
+    (workdir / ".deepspeed_env").write_text("\n# set by the user\nexport DS_ACCELERATOR=xla\n\n")
+    log = workdir / "runtime.jsonl"
+    result = run_training(workdir, None, ds_config(2), num_procs=2, steps=2,
+                          extra_env={"PYTHONPATH": str(PROBE_DIR), "DSX_TEST_RUNTIME_LOG": str(log)})
+    return {**result, "runtime": [json.loads(line) for line in log.read_text().splitlines()]}
+
+
+def test_launcher_processes_never_start_the_runtime(env_file_run):
+    records = env_file_run["runtime"]
     launchers = [r for r in records if not r["argv"][0].endswith("train.py")]
     workers = [r for r in records if r["argv"][0].endswith("train.py")]
     assert len(workers) == 2 and all(r["runtime_started"] for r in workers)
@@ -69,9 +78,6 @@ def test_launcher_processes_never_start_the_runtime(tmp_path):
     assert not any(r["runtime_started"] or r["torch_xla_imported"] for r in launchers), launchers
 
 
-def test_ds_accelerator_from_deepspeed_env_file_only(tmp_path):
-    workdir = tmp_path / "run"
-    workdir.mkdir()
-    (workdir / ".deepspeed_env").write_text("\n# set by the user\nexport DS_ACCELERATOR=xla\n\n")
-    result = run_training(workdir, None, ds_config(1), num_procs=2, steps=2)
-    assert result["accelerator"] == "xla"
+def test_ds_accelerator_from_deepspeed_env_file_only(env_file_run):
+    assert env_file_run["accelerator"] == "xla"
+    assert [rank["accelerator"] for rank in ranks(env_file_run)] == ["xla", "xla"]
