@@ -118,7 +118,7 @@ def get_flattened_grad_norm(original):
         masked = grad_norm_mask is not None and any(len(mask) for mask in grad_norm_mask)
         if not params or masked or float(norm_type) != 2.0 or any(p.grad.device.type != "xla" for p in params):
             return original(parameters, norm_type, mpu, grad_norm_mask)
-        total = torch.stack([p.grad.detach().float().norm(2) for p in params]).square().sum()
+        total = _sum_of_squared_norms([p.grad for p in params])
         if mpu is not None:
             from deepspeed import comm as dist
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
@@ -137,14 +137,20 @@ def get_weight_norm(original):
     @functools.wraps(original)
     def get_weight_norm(parameters, norm_type=2, mpu=None):
         import torch
-        tensors = [parameters] if torch.is_tensor(parameters) else list(parameters)
-        if not tensors or mpu is not None or float(norm_type) != 2.0 or any(t.device.type != "xla" for t in tensors):
-            return original(parameters, norm_type, mpu)
         from deepspeed.runtime.utils import PIPE_REPLICATED
-        kept = [t for t in tensors if not (hasattr(t, PIPE_REPLICATED) and t.ds_pipe_replicated)]
-        return torch.stack([t.detach().float().norm(2) for t in kept]).square().sum().sqrt()
+        given = [parameters] if torch.is_tensor(parameters) else list(parameters)
+        tensors = [t for t in given if not (hasattr(t, PIPE_REPLICATED) and t.ds_pipe_replicated)]
+        if not tensors or mpu is not None or float(norm_type) != 2.0 or any(t.device.type != "xla" for t in tensors):
+            return original(given, norm_type, mpu)
+        return _sum_of_squared_norms(tensors).sqrt()
 
     return get_weight_norm
+
+
+def _sum_of_squared_norms(tensors):
+    """The sum of the tensors' squared 2-norms, in fp32, as one device tensor."""
+    import torch
+    return torch.stack([t.detach().float().norm(2) for t in tensors]).square().sum()
 
 
 def get_global_norm(original):
