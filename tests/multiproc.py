@@ -261,9 +261,8 @@ class Trainings:
     once, the first time a test asks for it (with the rest of its ``plan`` group), and later tests get the same
     result. Results are shared: tests must not modify them."""
 
-    def __init__(self, root: Path, planned: Optional[Dict[str, List[dict]]] = None):
+    def __init__(self, root: Path):
         self.root = root
-        self._planned = _PLANNED if planned is None else planned
         self._runs: Dict[str, Future] = {}
         self._workdirs: Dict[str, Path] = {}
         self._threads: List[threading.Thread] = []
@@ -298,7 +297,7 @@ class Trainings:
         """The jobs that start when ``spec`` is first asked for: its own first (``spec`` and the trainings planned
         with it that need the same processes), then the other jobs of its group; only trainings not yet started."""
         key = _key(spec)
-        group = next((group for group in self._planned.values() if any(_key(p) == key for p in group)), [spec])
+        group = next((group for group in _PLANNED.values() if any(_key(p) == key for p in group)), [spec])
         jobs: Dict[str, Dict[str, dict]] = {}
         for planned in group:
             if _key(planned) not in self._runs:
@@ -309,7 +308,7 @@ class Trainings:
     def _launch(self, job: List[dict]) -> None:
         """Run ``job``'s trainings in one launched job; each one's future gets its result (or the job's error)."""
         try:
-            first, runs = job[0], []
+            first, runs, results = job[0], [], []
             for spec in job:
                 workdir = self._workdirs[_key(spec)]
                 args = list(spec["train_args"])
@@ -319,7 +318,10 @@ class Trainings:
                     args += ["--load-dir", str(self.result(spec["load_from"])["save_dir"])]
                 args, out = train_arguments(workdir, spec["accelerator"] or "default", spec["config"], spec["steps"],
                                             args)
-                runs.append({"args": args, "hlo_dir": str(workdir / "hlo") if spec["dump_hlo"] else None})
+                hlo_dir = workdir / "hlo" if spec["dump_hlo"] else None
+                runs.append({"args": args, "hlo_dir": hlo_dir and str(hlo_dir)})
+                results.append((spec, out, {"save_dir": workdir / "checkpoints" if spec["save_at"] else None,
+                                            "hlo_dir": hlo_dir}))
             extra_env, jobdir = dict(first["extra_env"]), self._workdirs[_key(first)]
             dumps = jobdir / ("hlo" if len(runs) == 1 else "job-hlo")
             if first["dump_hlo"]:
@@ -333,12 +335,8 @@ class Trainings:
                 script = [TRAIN_MANY, "--runs", plan_file, *(("--hlo-dumps", dumps) if first["dump_hlo"] else ())]
             cmd, env = launch_command(script, first["accelerator"], first["num_procs"], extra_env, first["launcher"])
             run_job(cmd, env, jobdir, timeout=600 + 120 * len(runs))
-            for spec in job:
-                workdir = self._workdirs[_key(spec)]
-                self._runs[_key(spec)].set_result({
-                    **read_results(workdir / f"{spec['accelerator'] or 'default'}-losses.json", spec["num_procs"]),
-                    "save_dir": workdir / "checkpoints" if spec["save_at"] else None,
-                    "hlo_dir": workdir / "hlo" if spec["dump_hlo"] else None})
+            for spec, out, dirs in results:
+                self._runs[_key(spec)].set_result({**read_results(out, spec["num_procs"]), **dirs})
         except BaseException as exc:  # every test waiting on this job fails with the same error
             for spec in job:
                 if not self._runs[_key(spec)].done():

@@ -17,6 +17,7 @@ EXECUTIONS_PER_STEP = {(0, False): 3, (0, True): 2, (1, False): 4, (1, True): 4,
                        (3, False): 5, (3, True): 5}
 PROBE_DIR = FIXTURES / "runtime_probe"
 STAGES, PRECISIONS = [0, 1, 2, 3], {"fp32": False, "bf16": True}
+PERSISTENT_RUN = {"num_procs": 2, "steps": 6}
 
 
 def _persistent_config() -> dict:
@@ -29,7 +30,7 @@ def _persistent_config() -> dict:
 for _stage in STAGES:
     for _bf16 in PRECISIONS.values():
         plan_against_cpu("two-rank", ds_config(_stage, bf16=_bf16), **TWO_RANK_RUN)
-plan_against_cpu("two-rank", _persistent_config(), num_procs=2, steps=6)
+plan_against_cpu("two-rank", _persistent_config(), **PERSISTENT_RUN)
 
 
 @pytest.mark.parametrize("bf16", PRECISIONS.values(), ids=PRECISIONS)
@@ -51,7 +52,7 @@ def test_zero3_persistent_parameters_match_cpu_accelerator(trainings):
     """DeepSpeed's default ``stage3_param_persistence_threshold`` keeps this model's small parameters gathered
     between steps (``ds_config`` partitions every parameter): they are all-gathered together after each step."""
     config = _persistent_config()
-    xla, cpu = trainings.against_cpu(config, num_procs=2, steps=6)
+    xla, cpu = trainings.against_cpu(config, **PERSISTENT_RUN)
     assert_trains_like(xla, cpu, training_dtype(config))
     # The post-step gathers of all persistent parameters run as one staged execution, not one per parameter.
     assert counts_per_step(xla) == {"compilations": 0, "executions": 4, "transfers_to_host": 1}

@@ -17,7 +17,10 @@ BF16_OPTIMIZER = {"data_types": {"grad_accum_dtype": "fp32"}}
 BF16_OPTIMIZER_CONFIG = ds_config(1, bf16=True, accumulation=2, gradient_clipping=0.5, **BF16_OPTIMIZER)
 CLIENT_OPTIMIZER_STAGES = [2, 3]
 NAN_SKIP_CASES = {"zero1": (1, False), "zero3": (3, False), "bf16-zero0": (0, True)}
-NAN_SKIP_ARGS = ("--client-optimizer", "sgd", "--nan-grad-at", "3")
+# How each test below runs train.py (the same arguments in its plan and in its request).
+CLIENT_OPTIMIZER_RUN = {"steps": 8, "train_args": ("--client-optimizer", )}
+NAN_SKIP_RUN = {"steps": 7, "train_args": ("--client-optimizer", "sgd", "--nan-grad-at", "3")}
+BF16_OPTIMIZER_RUN = {"steps": 8}
 
 
 def _client_optimizer_config(stage: int) -> dict:
@@ -33,15 +36,15 @@ def _nan_skip_config(stage: int, bf16: bool) -> dict:
 
 # These run in one job per accelerator (tests.multiproc.plan); the XLA runs that dump their HLO in a job of their own.
 for _stage in CLIENT_OPTIMIZER_STAGES:
-    plan_against_cpu("one-process", _client_optimizer_config(_stage), steps=8, train_args=("--client-optimizer", ))
+    plan_against_cpu("one-process", _client_optimizer_config(_stage), **CLIENT_OPTIMIZER_RUN)
 for _stage, _bf16 in NAN_SKIP_CASES.values():
-    plan_against_cpu("one-process", _nan_skip_config(_stage, _bf16), steps=7, train_args=NAN_SKIP_ARGS)
+    plan_against_cpu("one-process", _nan_skip_config(_stage, _bf16), **NAN_SKIP_RUN)
 SINGLE_PROCESS_CONFIGS = {f"{stage}-{'bf16' if bf16 else 'fp32'}": ds_config(stage, bf16=bf16)
                           for stage in range(4) for bf16 in (False, True)}
 for _accelerator, _dump_hlo in (("xla", True), ("cpu", False)):
     plan("one-process", *(training(_accelerator, config, dump_hlo=_dump_hlo)
                           for config in SINGLE_PROCESS_CONFIGS.values()),
-         training(_accelerator, BF16_OPTIMIZER_CONFIG, steps=8, dump_hlo=_dump_hlo))
+         training(_accelerator, BF16_OPTIMIZER_CONFIG, dump_hlo=_dump_hlo, **BF16_OPTIMIZER_RUN))
 
 
 @pytest.mark.parametrize("name", SINGLE_PROCESS_CONFIGS)
@@ -61,13 +64,13 @@ def test_client_optimizer_accumulation_clipping_and_scheduler(trainings, stage):
     """A torch optimizer built before ``initialize`` (on the CPU parameters), gradient accumulation,
     clipping and an LR schedule: the engine must move the model without orphaning the optimizer."""
     config = _client_optimizer_config(stage)
-    xla, cpu = trainings.against_cpu(config, steps=8, train_args=("--client-optimizer", ))
+    xla, cpu = trainings.against_cpu(config, **CLIENT_OPTIMIZER_RUN)
     assert xla["losses"][-1] < xla["losses"][0]
     assert_trains_like(xla, cpu, training_dtype(config))
 
 
 def test_bf16_optimizer_accumulation_and_clipping_match_cpu_accelerator(trainings):
-    xla, cpu = trainings.against_cpu(BF16_OPTIMIZER_CONFIG, steps=8, dump_hlo=True)
+    xla, cpu = trainings.against_cpu(BF16_OPTIMIZER_CONFIG, dump_hlo=True, **BF16_OPTIMIZER_RUN)
     assert xla["losses"][-1] < xla["losses"][0]
     assert_trains_like(xla, cpu, training_dtype(BF16_OPTIMIZER_CONFIG))
     # train.py reads each micro-batch's loss: one execution and one transfer each, nothing else.
@@ -80,7 +83,7 @@ def test_step_with_invalid_gradients_is_skipped_as_on_cpu(trainings, stage, bf16
 
     SGD with momentum keeps no step count, so the two skips leave exactly the same state."""
     config = _nan_skip_config(stage, bf16)
-    xla, cpu = trainings.against_cpu(config, steps=7, train_args=NAN_SKIP_ARGS)
+    xla, cpu = trainings.against_cpu(config, **NAN_SKIP_RUN)
     assert (xla["skipped_steps"], cpu["skipped_steps"]) == (1, 1)
     assert_trains_like(xla, cpu, training_dtype(config))
     # The skip stays on the device: one graph and one host read a step. bf16 without ZeRO and with a torch optimizer
@@ -96,10 +99,10 @@ def _select_sizes(hlo_dir) -> list:
     return [math.prod(int(d) for d in dims.split(",") if d) for dims in shapes]
 
 
-@pytest.mark.parametrize("config,steps",
-                         [pytest.param(config, 20, id=name) for name, config in SINGLE_PROCESS_CONFIGS.items()]
-                         + [pytest.param(BF16_OPTIMIZER_CONFIG, 8, id="1-bf16-optimizer")])
-def test_step_graph_does_not_copy_into_slices_of_flat_buffers(trainings, train_module, config, steps):
+@pytest.mark.parametrize("config,run",
+                         [pytest.param(config, {}, id=name) for name, config in SINGLE_PROCESS_CONFIGS.items()]
+                         + [pytest.param(BF16_OPTIMIZER_CONFIG, BF16_OPTIMIZER_RUN, id="1-bf16-optimizer")])
+def test_step_graph_does_not_copy_into_slices_of_flat_buffers(trainings, train_module, config, run):
     """torch_xla lowers a copy into a slice of a flat buffer as a select over the whole buffer, so
     copying each parameter's tensor into a flat buffer costs (parameters x buffer) element operations
     a step. Upstream does it with each gradient in ZeRO-1/2 (``contiguous_gradients``), ZeRO-3
@@ -107,7 +110,7 @@ def test_step_graph_does_not_copy_into_slices_of_flat_buffers(trainings, train_m
     in bf16 without ZeRO (``FP16_Optimizer.step``).
 
     The graphs are those of the parity runs above (their XLA side dumps its HLO): the run is shared."""
-    hlo = trainings.run("xla", config, steps=steps, dump_hlo=True)["hlo_dir"]
+    hlo = trainings.run("xla", config, dump_hlo=True, **run)["hlo_dir"]
     model = train_module.TinyGPT(64, 32, 2, seq=16)  # train.py's defaults
     largest = max(p.numel() for p in model.parameters())
     # Left: step_guard's torch.where over the flat fp32 parameters and Adam's two moments (fp32
