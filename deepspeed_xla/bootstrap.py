@@ -35,6 +35,7 @@ _AFTER_IMPORT = {
     "deepspeed.runtime.fp16.fused_optimizer": _PATCHES_HOOK,
     "deepspeed.runtime.fp16.unfused_optimizer": _PATCHES_HOOK,
     "deepspeed.launcher.runner": _PATCHES_HOOK,
+    "deepspeed.launcher.multinode_runner": _PATCHES_HOOK,
     "deepspeed.comm.torch": _PATCHES_HOOK,
 }
 

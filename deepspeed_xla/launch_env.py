@@ -5,6 +5,7 @@ launchers and Slurm run the script directly and only their own variables exist. 
 startup hook, the ``deepspeed`` runner and every worker read this before anything heavy is imported.
 """
 import os
+import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -103,6 +104,39 @@ def fill_single_process_env(env: MutableMapping[str, str]) -> bool:
         return False
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     return True
+
+
+def fill_scheduler_env(env: MutableMapping[str, str]) -> bool:
+    """Under MPI or Slurm (which start the script itself), hand DeepSpeed ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
+    from the launcher's own variables once the rendezvous address is known.
+
+    DeepSpeed would otherwise ask mpi4py, which takes rank 0's ``hostname -I`` for the address (the runner's
+    ``--master_addr`` and ``--master_port`` are ignored) and, under ``srun`` without an MPI plugin, sees every
+    task as rank 0 of 1. Slurm names its first node and job, which give the address and port when they are
+    unset; MPI without them (``mpirun python train.py``) is left to DeepSpeed. Returns whether anything was set.
+    """
+    position = None if "RANK" in env or not any(name in env for name in _MPI_MARKERS) else global_rank_and_size(env)
+    if position is None:
+        return False
+    if "SLURM_PROCID" in env:
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if nodes and "MASTER_ADDR" not in env:
+            env["MASTER_ADDR"] = first_slurm_host(nodes)
+        if "SLURM_JOB_ID" in env and "MASTER_PORT" not in env:
+            env["MASTER_PORT"] = str(15000 + int(env["SLURM_JOB_ID"]) % 10000)
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        return False
+    env.update(RANK=str(position[0]), WORLD_SIZE=str(position[1]), LOCAL_RANK=str(process_layout(env).local_rank))
+    return True
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm host list: ``"tpu-[03-05,9],gpu1"`` -> ``"tpu-03"``."""
+    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\]([^,\[]*))?", nodelist)
+    prefix, ranges, suffix = match.groups()
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
 
 
 def check_launch_env(env: Mapping[str, str] = os.environ) -> None:

@@ -9,7 +9,8 @@ import sys
 import warnings
 
 from deepspeed_xla.bootstrap import ACCELERATOR_NAME
-from deepspeed_xla.launch_env import fill_single_process_env, is_deepspeed_runner, is_launcher_process
+from deepspeed_xla.launch_env import (fill_scheduler_env, fill_single_process_env, is_deepspeed_runner,
+                                      is_launcher_process)
 
 
 def wants_xla() -> bool:
@@ -32,7 +33,7 @@ def on_real_accelerator_loaded(module) -> None:
         module.ds_accelerator = XLA_Accelerator()
         os.environ.setdefault("DS_ACCELERATOR", ACCELERATOR_NAME)
         if not is_launcher_process():
-            fill_single_process_env(os.environ)
+            fill_single_process_env(os.environ) or fill_scheduler_env(os.environ)
 
 
 def register():

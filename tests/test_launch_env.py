@@ -1,7 +1,8 @@
 """Where a process sits, from whichever launcher started it; plain python as rank 0 of 1."""
 import pytest
 
-from deepspeed_xla.launch_env import ProcessLayout, fill_single_process_env, process_layout
+from deepspeed_xla.launch_env import (ProcessLayout, fill_scheduler_env, fill_single_process_env, first_slurm_host,
+                                      process_layout)
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -32,3 +33,37 @@ def test_launched_or_mpi_processes_are_left_alone(env):
     before = dict(env)
     assert not fill_single_process_env(env)
     assert env == before
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},
+     ("3", "4", "1", "10.0.0.1", "29500")),
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+      "SLURM_STEP_NODELIST": "tpu-[03-04]", "SLURM_JOB_NODELIST": "tpu-[01-04]", "SLURM_JOB_ID": "123456"},
+     ("5", "8", "1", "tpu-03", "18456")),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2",
+      "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "7", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"},
+     ("1", "2", "1", "127.0.0.1", "1234")),
+], ids=["openmpi-from-the-runner", "srun-alone", "srun-with-the-address-given"])
+def test_mpi_and_slurm_ranks_fill_deepspeeds_variables(env, expected):
+    assert fill_scheduler_env(env)
+    assert tuple(env[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")) == expected
+
+
+@pytest.mark.parametrize("env", [
+    {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"},  # mpirun python train.py: DeepSpeed asks mpi4py
+    {"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "1",
+     "SLURM_JOB_NODELIST": "a"},  # deepspeed's own launcher inside a Slurm allocation
+    {},
+], ids=["mpi-without-an-address", "launcher-inside-slurm", "no-launcher"])
+def test_mpi_and_slurm_fill_leaves_the_rest_alone(env):
+    before = dict(env)
+    assert not fill_scheduler_env(env)
+    assert env == before
+
+
+@pytest.mark.parametrize("nodelist, first", [("localhost", "localhost"), ("tpu-[03-05,9],gpu1", "tpu-03"),
+                                             ("n[7]x,m1", "n7x"), ("a,b[1-2]", "a")])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first

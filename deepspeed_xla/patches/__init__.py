@@ -19,6 +19,7 @@ _HAS_INF_OR_NAN_DIGEST = "f2891c8e640be50c"
 
 _FP16_OPTIMIZER = "deepspeed.runtime.fp16.fused_optimizer"
 _UNFUSED_OPTIMIZER = "deepspeed.runtime.fp16.unfused_optimizer"
+_MULTINODE_RUNNER = "deepspeed.launcher.multinode_runner"
 
 PATCHES = [
     *(Patch(module, "", "has_inf_or_nan", grad_checks.has_inf_or_nan, _HAS_INF_OR_NAN_DIGEST)
@@ -87,6 +88,11 @@ PATCHES = [
           reads=("main", )),
     Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_NAME", launcher.runner_env_name, "d40ac82930b5b28f",
           reads=("main", )),
+    Patch(_MULTINODE_RUNNER, "MultiNodeRunner", "add_export", launcher.exports_exact_values, "ed7829601147cf59"),
+    Patch(_MULTINODE_RUNNER, "PDSHRunner", "get_cmd", launcher.pdsh_checks_every_host, "c9fadd8a8a4c1cff"),
+    *(Patch(_MULTINODE_RUNNER, runner, "get_cmd", launcher.exports_rendezvous, digest)
+      for runner, digest in (("OpenMPIRunner", "b8995592e8249045"), ("MVAPICHRunner", "c00bc28c496b31c2"),
+                             ("SlurmRunner", "6869ce47d8edb10b"))),
 ]
 
 PATCHED_MODULES = sorted({p.module for p in PATCHES})
