@@ -9,6 +9,7 @@ metadata and devices from the device type's PCI/environment count.
 import argparse
 import os
 import re
+import shutil
 import site
 import sys
 from importlib import metadata
@@ -27,6 +28,10 @@ _END = "\033[0m"
 _LABEL_WIDTH = 34
 # .deepspeed_env values that must not end up in a pasted report.
 _SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_KEY|ACCESS_KEY", re.IGNORECASE)
+# deepspeed --launcher NAME -> the programs DeepSpeed's runner needs for it on this host (the one its
+# backend_exists() looks for, and the one it runs).
+LAUNCHER_PROGRAMS = {"pdsh": ("pdsh", "ssh"), "openmpi": ("mpirun", "ompi_info"), "mpich": ("mpirun", ),
+                     "impi": ("mpirun", ), "mvapich": ("mpirun", "mpiname"), "slurm": ("srun", "sinfo")}
 
 
 class Report:
@@ -246,6 +251,28 @@ def check_op_builders(report: Report) -> None:
     report.row("no XLA implementation", ", ".join(unavailable))
 
 
+def _found(program: str) -> str:
+    path = shutil.which(program)
+    if path is None:
+        return f"{program}: not found"
+    real = os.path.realpath(path)
+    return f"{program}: {path}" + (f" ({os.path.basename(real)})" if os.path.basename(real) != program else "")
+
+
+def check_launchers(report: Report) -> None:
+    """Which ``deepspeed --launcher`` backends this host has the programs for, found on PATH (none is run)."""
+    for launcher, programs in LAUNCHER_PROGRAMS.items():
+        missing = [program for program in programs if shutil.which(program) is None]
+        state = "usable" if not missing else f"missing {', '.join(missing)}"
+        report.row(f"--launcher {launcher}", f"{state}; {', '.join(map(_found, programs))}")
+    try:
+        mpi4py = f"{metadata.version('mpi4py')}"
+    except metadata.PackageNotFoundError:
+        mpi4py = ("not installed (DeepSpeed asks it for ranks only where mpirun starts a script without the "
+                  "deepspeed runner and without MASTER_ADDR/MASTER_PORT)")
+    report.row("mpi4py", mpi4py)
+
+
 def build_report() -> Report:
     """Every section, as the ``deepspeed`` runner would see this host: ``.deepspeed_env`` is applied to this
     process's environment first."""
@@ -267,6 +294,8 @@ def build_report() -> Report:
     check_accelerator(report, shell)
     report.section("DeepSpeed op builders under the XLA accelerator")
     check_op_builders(report)
+    report.section("Multi-node launchers (programs found on PATH; none is started)")
+    check_launchers(report)
     return report
 
 

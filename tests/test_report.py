@@ -141,3 +141,19 @@ def test_colour_only_when_asked():
     checked.row("x", "y", checked.warn("w"))
     assert "\033[93m[WARNING]" in checked.render(color=True)
     assert "\033[" not in checked.render(color=False)
+
+
+def test_launchers_found_on_path_none_started(tmp_path):
+    """pdsh and ssh present, srun without sinfo, no MPI: the rows say so and no program was run."""
+    fake_bin, ran = tmp_path / "bin", tmp_path / "ran.txt"
+    fake_bin.mkdir()
+    for program in ("pdsh", "ssh", "srun"):
+        (fake_bin / program).write_text(f"#!/bin/sh\necho {program} >> {ran}\n")
+        (fake_bin / program).chmod(0o755)
+    proc = _report([str(VENV_BIN / "ds_xla_report")], tmp_path, PJRT_DEVICE="CPU", DS_ACCELERATOR="xla",
+                   PATH=f"{fake_bin}:{VENV_BIN}")
+    out = proc.stdout
+    assert _row(out, "--launcher pdsh") == f"usable; pdsh: {fake_bin / 'pdsh'}, ssh: {fake_bin / 'ssh'}"
+    assert _row(out, "--launcher slurm") == f"missing sinfo; srun: {fake_bin / 'srun'}, sinfo: not found"
+    assert _row(out, "--launcher openmpi") == "missing mpirun, ompi_info; mpirun: not found, ompi_info: not found"
+    assert not ran.exists(), ran.read_text()
