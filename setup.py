@@ -53,6 +53,8 @@ setup(
         # NVIDIA GPUs: JAX's CUDA 12 PJRT plugin library (JAX itself is not needed) and the ptxas/libdevice XLA
         # compiles with; torch 2.9.0 brings the other CUDA 12.8 libraries.
         "cuda": ["jax-cuda12-pjrt==0.7.1", "nvidia-cuda-nvcc-cu12==12.8.93"],
+        # DeepSpeed asks mpi4py for ranks where mpirun starts a script without the deepspeed runner.
+        "mpi": ["mpi4py"],
         "test": ["pytest", "pytest-timeout", "matplotlib"],
     },
     entry_points={"console_scripts": ["ds_xla_report=deepspeed_xla.report:main"]},

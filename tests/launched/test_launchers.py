@@ -1,0 +1,162 @@
+"""DeepSpeed's multi-node launchers for real, on loopback: pdsh through a test sshd to two host names, OpenMPI,
+MPICH and a one-node Slurm cluster (through ``deepspeed --launcher slurm`` and through ``srun`` itself). Each
+starts the 2 XLA ranks of the ZeRO-2 run that test_multiprocess_training.py compares, and is compared with
+DeepSpeed's CPU accelerator the same way. Needs sshd, pdsh, OpenMPI, MPICH and Slurm (.ci/run installs them).
+
+    python -m pytest tests/launched/test_launchers.py
+"""
+import json
+import os
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+from deepspeed_xla.launch_env import free_port
+from tests import services
+from tests.conftest import FAST_COMPILE, FIXTURES, VENV_BIN, clean_env
+from tests.multiproc import (TRAIN, TWO_RANK_RUN, assert_trains_like, ds_config, last_error, read_results,
+                             run_command, train_arguments)
+
+CONFIG = ds_config(2)
+PROBE_DIR = FIXTURES / "runtime_probe"
+# Every MPI transport on the loopback interface (DeepSpeed's OpenMPI runner would otherwise add
+# btl_tcp_if_include eth0); the MPI launchers run as root only when told so.
+OPENMPI_ARGS = "--mca btl_tcp_if_include lo --mca oob_tcp_if_include lo --mca pml ob1 --bind-to none"
+OPENMPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+MPICH_ARGS = "-iface lo"  # passed as --launcher_args=...: argparse reads "-iface" as -i (--include) "face"
+# What .deepspeed_env hands every host in the pdsh run, values with spaces and '=' among them.
+ENV_FILE_VALUES = {"DSX_TEST_SPACES": "two  words and more", "DSX_TEST_EQUALS": "a=b=c"}
+
+
+def _mpirun(folder: Path, implementation: str) -> Dict[str, str]:
+    """PATH entries under which ``mpirun`` is ``implementation``'s (Debian installs both side by side)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wrapper = folder / "mpirun"  # not a symlink: MPICH finds its hydra_pmi_proxy beside the mpirun it ran as
+    wrapper.write_text(f"#!/bin/sh\nexec /usr/bin/mpirun.{implementation} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return {"PATH": f"{folder}{os.pathsep}{clean_env()['PATH']}"}
+
+
+def launch(workdir: Path, command: List[str], hosts: Optional[str] = "localhost slots=2\n",
+           env: Optional[dict] = None, timeout: float = 300):
+    """``command`` (the ``deepspeed`` CLI's or ``srun``'s arguments before the script) with ``scripts/train.py``
+    and the ZeRO-2 run's arguments after it, in ``workdir`` with ``env``; its ``CompletedProcess`` and where
+    rank 0's JSON goes. ``hosts``: the hostfile's text, passed as ``--hostfile``."""
+    args, out = train_arguments(workdir, "xla", CONFIG, TWO_RANK_RUN["steps"])
+    if hosts is not None:
+        (workdir / "hostfile").write_text(hosts)
+        command = [command[0], "--hostfile", str(workdir / "hostfile"), *command[1:]]
+    cmd = [*command, str(TRAIN), *args]
+    proc = run_command(cmd, timeout, cwd=workdir, env=clean_env(**(env or {})))
+    return proc, out
+
+
+def deepspeed(*args: str) -> List[str]:
+    """The ``deepspeed`` CLI on loopback: ``--master_addr 127.0.0.1`` (it would ask ``hostname -I``)."""
+    return [str(VENV_BIN / "deepspeed"), "--master_addr", services.LOOPBACK, "--master_port", str(free_port()),
+            *args]
+
+
+def trained(workdir: Path, command: List[str], **kwargs) -> dict:
+    proc, out = launch(workdir, command, **kwargs)
+    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return read_results(out, 2)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(trainings) -> dict:
+    return trainings.run("cpu", CONFIG, **TWO_RANK_RUN)
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    with services.sshd(tmp_path_factory.mktemp("sshd")) as server:
+        yield server
+
+
+def _pdsh_env(sshd: dict, **extra) -> dict:
+    return {"PDSH_SSH_ARGS_APPEND": sshd["ssh_args"], "GLOO_SOCKET_IFNAME": "lo", **extra}
+
+
+@pytest.fixture(scope="module")
+def pdsh_run(tmp_path_factory, sshd) -> dict:
+    """``deepspeed --hostfile`` over pdsh and ssh to two loopback host names, one rank each, ``DS_ACCELERATOR``
+    and the rest only in the runner's ``.deepspeed_env``; every process records its environment at exit."""
+    workdir = tmp_path_factory.mktemp("pdsh")
+    log = workdir / "runtime.jsonl"
+    recorded = [*ENV_FILE_VALUES, "HOME", "RANK", "CROSS_RANK", "PJRT_DEVICE", "XLA_FLAGS"]
+    lines = {"PYTHONPATH": str(PROBE_DIR), "DSX_TEST_RUNTIME_LOG": str(log), "DSX_TEST_RECORD_ENV": ",".join(recorded),
+             **ENV_FILE_VALUES}
+    # Blank and comment lines and ``export``, which DeepSpeed's own parser of the file would fail on.
+    (workdir / ".deepspeed_env").write_text("\n# cluster settings\nexport DS_ACCELERATOR=xla\n" + "".join(
+        f"{key}={value}\n" for key, value in lines.items()))
+    result = trained(workdir, deepspeed("--ssh_port", sshd["port"], "--no_ssh_check"),
+                     hosts="localhost slots=1\n127.0.0.1 slots=1\n", env=_pdsh_env(sshd, DS_ACCELERATOR=None))
+    return {**result, "runtime": [json.loads(line) for line in log.read_text().splitlines()]}
+
+
+def test_pdsh_over_ssh_matches_cpu_accelerator(pdsh_run, cpu_run):
+    assert_trains_like(pdsh_run, cpu_run, "float32")
+
+
+def test_pdsh_hosts_get_the_runners_deepspeed_env(pdsh_run, sshd):
+    workers = [record for record in pdsh_run["runtime"] if record["argv"][0].endswith("train.py")]
+    launchers = [record for record in pdsh_run["runtime"] if record["argv"][0].endswith("launch.py")]
+    assert sorted((w["env"]["RANK"], w["env"]["CROSS_RANK"]) for w in workers) == [("0", "0"), ("1", "1")]
+    assert len(launchers) == 2, "one deepspeed.launcher.launch per host"
+    for record in workers + launchers:
+        assert record["env"]["HOME"] == sshd["home"], "not started through the test's sshd"
+        assert {key: record["env"][key] for key in ENV_FILE_VALUES} == ENV_FILE_VALUES
+        # The runner's XLA variables, spaces and all; a worker's device set-up appends its own XLA flags.
+        assert record["env"]["PJRT_DEVICE"] == "CPU"
+        assert record["env"]["XLA_FLAGS"].startswith(FAST_COMPILE["XLA_FLAGS"]), record["env"]["XLA_FLAGS"]
+    assert all(w["runtime_started"] for w in workers) and not any(r["torch_xla_imported"] for r in launchers)
+
+
+def test_unreachable_host_stops_the_runner_naming_it(tmp_path, sshd):
+    """127.0.0.3 has no sshd: the runner names it within seconds instead of leaving rank 0 at the rendezvous."""
+    started = time.monotonic()
+    proc, _ = launch(tmp_path, deepspeed("--ssh_port", sshd["port"], "--no_ssh_check"),
+                     hosts="localhost slots=1\n127.0.0.3 slots=1\n", env=_pdsh_env(sshd, DS_ACCELERATOR="xla"),
+                     timeout=120)
+    assert time.monotonic() - started < 60
+    error = last_error(proc)
+    assert "cannot reach 127.0.0.3 over ssh" in error and "Connection refused" in error, error
+    assert "localhost:" not in error
+
+
+def test_openmpi_matches_cpu_accelerator(tmp_path, cpu_run):
+    env = {"DS_ACCELERATOR": "xla", "GLOO_SOCKET_IFNAME": "lo", **OPENMPI_AS_ROOT,
+           **_mpirun(tmp_path / "bin", "openmpi")}
+    xla = trained(tmp_path, deepspeed("--force_multi", "--no_ssh_check", "--launcher", "openmpi",
+                                      "--launcher_args", OPENMPI_ARGS), env=env)
+    assert_trains_like(xla, cpu_run, "float32")
+
+
+def test_mpich_matches_cpu_accelerator(tmp_path, cpu_run):
+    env = {"DS_ACCELERATOR": "xla", "GLOO_SOCKET_IFNAME": "lo", **_mpirun(tmp_path / "bin", "mpich")}
+    xla = trained(tmp_path, deepspeed("--force_multi", "--no_ssh_check", "--launcher", "mpich",
+                                      f"--launcher_args={MPICH_ARGS}"), env=env)
+    assert_trains_like(xla, cpu_run, "float32")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    with services.slurm_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+def test_deepspeed_slurm_launcher_matches_cpu_accelerator(tmp_path, slurm, cpu_run):
+    env = {"DS_ACCELERATOR": "xla", "GLOO_SOCKET_IFNAME": "lo", **slurm}
+    xla = trained(tmp_path, deepspeed("--force_multi", "--no_ssh_check", "--launcher", "slurm"), env=env)
+    assert_trains_like(xla, cpu_run, "float32")
+
+
+def test_srun_without_ntasks_per_node_matches_cpu_accelerator(tmp_path, slurm, cpu_run):
+    """``srun -n 2 python train.py``: no DeepSpeed runner, no ``--ntasks-per-node``, no ``MASTER_ADDR``; ranks,
+    local sizes and the rendezvous come from Slurm's variables."""
+    env = {"DS_ACCELERATOR": "xla", "GLOO_SOCKET_IFNAME": "lo", **slurm}
+    xla = trained(tmp_path, ["srun", "-n", "2", str(VENV_BIN / "python"), "-u"], hosts=None, env=env)
+    assert_trains_like(xla, cpu_run, "float32")
