@@ -14,7 +14,14 @@ if [ ! -f "$DSX_VENV/.complete" ]; then
   env -u DS_ACCELERATOR "$DSX_VENV/bin/pip" install -q -r "$DSX_ROOT/requirements.txt"
   touch "$DSX_VENV/.complete"
 fi
-env -u DS_ACCELERATOR "$DSX_VENV/bin/pip" install -q --no-deps --force-reinstall "$DSX_ROOT"
+# This checkout goes into the venv unless the venv holds it already: the marker names the checkout and hashes the
+# files its wheel is built from (after installing another copy into this venv by hand, delete the marker).
+DSX_SOURCE="$DSX_ROOT $(cd "$DSX_ROOT" && find setup.py pyproject.toml deepspeed_xla -name '*.py' -o -name '*.toml' \
+  | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-16)"
+if [ "$(cat "$DSX_VENV/.deepspeed-xla-source" 2>/dev/null)" != "$DSX_SOURCE" ]; then
+  env -u DS_ACCELERATOR "$DSX_VENV/bin/pip" install -q --no-deps --force-reinstall "$DSX_ROOT"
+  echo "$DSX_SOURCE" > "$DSX_VENV/.deepspeed-xla-source"
+fi
 export PATH="$DSX_VENV/bin:$PATH"
 export PJRT_DEVICE="${PJRT_DEVICE:-CPU}"
 # DeepSpeed JIT-builds C++ ops (the CPU accelerator's shm all-reduce, cpu_adam) into this directory;
