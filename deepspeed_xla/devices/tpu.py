@@ -3,8 +3,10 @@
 Nothing here may start the PJRT runtime: ``local_device_count`` runs in the ``deepspeed`` launcher,
 and ``configure_process`` must finish before the worker's first device use.
 """
+import glob
 import os
 import re
+import warnings
 from typing import TYPE_CHECKING, Dict, List, Mapping, MutableMapping, Optional, Tuple
 
 from deepspeed_xla import xla_runtime
@@ -15,6 +17,9 @@ if TYPE_CHECKING:
 
 TPU_BASE_PORT = 8476
 GOOGLE_PCI_VENDOR = "0x1ae0"
+PCI_DEVICES = "/sys/bus/pci/devices"
+# The PCI device ids tpu-info maps to TPU chips (v2/v3, v4, v5p, v5e, v6e, 7x), for hosts without tpu-info.
+TPU_PCI_DEVICE_IDS = frozenset({"0x0027", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"})
 # Peak dense bf16 TFLOP/s per chip (Cloud TPU system-architecture pages), keyed by tpu-info's chip name.
 PEAK_BF16_TFLOPS_PER_CHIP = {"v4": 275, "v5e": 197, "v5p": 459, "v6e": 918, "7x": 2307}
 
@@ -85,16 +90,32 @@ class TpuDevice(DeviceType):
 
 
 def _pci_chips() -> Tuple[Optional["TpuChip"], int]:
-    """tpu-info's PCI scan: (chip type, count); without tpu-info, Google-vendor PCI devices and no type. No
-    torch_xla import: this runs in every process that imports DeepSpeed with ``DS_ACCELERATOR`` unset."""
+    """tpu-info's PCI scan: (chip type, count); without tpu-info, the Google PCI devices whose id is a TPU chip's,
+    and no type. No torch_xla import: this runs in every process that imports DeepSpeed with ``DS_ACCELERATOR``
+    unset, so a failing scan is a warning and no chips, never an error of ``import deepspeed``."""
     try:
         from tpu_info import device
     except ImportError:
-        import glob
-        vendors = glob.glob("/sys/bus/pci/devices/*/vendor")
-        return None, sum(1 for path in vendors if open(path).read().strip() == GOOGLE_PCI_VENDOR)
-    chip_type, count = device.get_local_chips()
+        return None, _tpu_ids_on_pci()
+    try:
+        chip_type, count = device.get_local_chips()
+    except Exception as exc:  # noqa: BLE001 - tpu-info reads sysfs files that can vanish or be unreadable
+        warnings.warn(f"deepspeed_xla: tpu-info could not scan this host's PCI devices ({type(exc).__name__}: "
+                      f"{exc}); counting no TPU chips. Set DS_ACCELERATOR=xla and PJRT_DEVICE=TPU to use TPUs.")
+        return None, 0
     return (chip_type, count) if chip_type is not None else (None, 0)
+
+
+def _tpu_ids_on_pci() -> int:
+    """Google PCI devices that are TPU chips: Google's gVNIC and Persistent Disk NVMe share the vendor id."""
+    count = 0
+    for folder in glob.glob(os.path.join(PCI_DEVICES, "*")):
+        try:
+            with open(os.path.join(folder, "vendor")) as vendor, open(os.path.join(folder, "device")) as device:
+                count += vendor.read().strip() == GOOGLE_PCI_VENDOR and device.read().strip() in TPU_PCI_DEVICE_IDS
+        except OSError:
+            continue
+    return count
 
 
 def libtpu_path() -> Optional[str]:

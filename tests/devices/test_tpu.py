@@ -1,8 +1,10 @@
-"""TPU per-process topology against torch_xla's own ``configure_topology``, on faked TPU VM metadata.
+"""TPU per-process topology against torch_xla's own ``configure_topology``, on faked TPU VM metadata; the chip count
+from PCI, with tpu-info and without.
 
 No TPU is needed: with ``TPU_SKIP_MDS_QUERY`` torch_xla reads the metadata from the environment.
 """
 import os
+import sys
 
 import pytest
 
@@ -116,3 +118,36 @@ def test_peak_flops_are_per_device(monkeypatch):
     assert TpuDevice().peak_bf16_flops() == 2307e12 / 2
     _fake_chips(monkeypatch, None, 0)
     assert TpuDevice().peak_bf16_flops() is None
+
+
+def _fake_pci(root, devices):
+    for index, (vendor, device) in enumerate(devices):
+        folder = root / f"0000:00:{index:02x}.0"
+        folder.mkdir(parents=True)
+        (folder / "vendor").write_text(f"{vendor}\n")
+        (folder / "device").write_text(f"{device}\n")
+
+
+def test_without_tpu_info_only_tpu_device_ids_count(tmp_path, monkeypatch):
+    """A GCE VM's gVNIC (0x0042) and Persistent Disk NVMe (0x001f) share Google's vendor id with TPU chips."""
+    from deepspeed_xla.devices import tpu
+    _fake_pci(tmp_path, [("0x1ae0", "0x0042"), ("0x1ae0", "0x001f"), ("0x8086", "0x005e"), ("0x1ae0", "0x005e"),
+                         ("0x1ae0", "0x005e")])
+    (tmp_path / "0000:00:09.0").mkdir()  # a device whose files cannot be read
+    monkeypatch.setattr(tpu, "PCI_DEVICES", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "tpu_info", None)  # import tpu_info fails
+    assert TpuDevice().local_device_count() == 2
+    _fake_pci(tmp_path / "gce", [("0x1ae0", "0x0042"), ("0x1ae0", "0x001f")])
+    monkeypatch.setattr(tpu, "PCI_DEVICES", str(tmp_path / "gce"))
+    assert not TpuDevice().is_present()
+
+
+def test_failing_tpu_info_scan_counts_no_chips_with_a_warning(monkeypatch):
+    from tpu_info import device
+
+    def unreadable():
+        raise OSError(2, "No such file or directory", "/sys/bus/pci/devices/0000:00:04.0/device")
+
+    monkeypatch.setattr(device, "get_local_chips", unreadable)
+    with pytest.warns(UserWarning, match=r"could not scan .*FileNotFoundError.*counting no TPU chips"):
+        assert not TpuDevice().is_present()
