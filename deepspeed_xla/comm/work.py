@@ -5,7 +5,7 @@ collective issued before it: every rank issues them in the same order, so runnin
 keeps each group's sequence, and their XLA operands are staged together in one execution (ZeRO-3
 issues one asynchronous all-gather per parameter and waits on them all).
 """
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,11 +59,19 @@ class Issued:
         self._run_if_any(outputs, self.read | self.written)
 
     def run(self) -> None:
-        """Stage every queued op's operands at once, then run the ops in order."""
+        """Stage every queued op's operands at once, then run the ops in order. If staging or an op raises, the
+        ops that did not run keep the error: waiting on one of them raises it instead of returning its stale
+        outputs."""
         ops, self.ops, self.read, self.written = self.ops, [], set(), set()
-        staged = iter(staging.to_host([t for op in ops for t in op.inputs]))
-        for op in ops:
-            op.run([next(staged) for _ in op.inputs])
+        try:
+            staged = iter(staging.to_host([t for op in ops for t in op.inputs]))
+            for op in ops:
+                op.run([next(staged) for _ in op.inputs])
+        except BaseException as error:
+            for op in ops:
+                if not op.done:
+                    op.error = error
+            raise
 
 
 ISSUED = Issued()
@@ -77,12 +85,16 @@ class PendingWork(dist.Work):
         super().__init__()
         self.group, self.inputs, self.outputs, self.call = group, list(inputs), list(outputs), call
         self.in_place, self.done = in_place, False
+        self.error: Optional[BaseException] = None  # what stopped the queue before this op ran
 
     def run(self, host_in: List[torch.Tensor]) -> None:
         self.group._launch(self.inputs, host_in, self.outputs, self.call, self.in_place).wait()
         self.done = True
 
     def _finish(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"deepspeed_xla: this collective never ran: an error stopped the collectives issued "
+                               f"with it ({type(self.error).__name__}: {self.error})") from self.error
         if not self.done:
             ISSUED.run()
 

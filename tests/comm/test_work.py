@@ -1,0 +1,50 @@
+"""``comm/work.py``: the queue of issued collectives runs them in order; one that fails leaves the ones it stopped
+failing too, never returning stale outputs."""
+import pytest
+import torch
+
+from deepspeed_xla.comm import work
+
+
+class _Group:
+    """Stands in for the host-staged group: each call adds 1 to its output, or raises on the input ``fail_on``."""
+
+    def __init__(self, fail_on: float = None):
+        self.fail_on, self.calls = fail_on, []
+
+    def _launch(self, inputs, host_in, outputs, call, in_place):
+        self.calls.append(float(host_in[0]))
+        if float(host_in[0]) == self.fail_on:
+            raise MemoryError("device out of memory while staging")
+        outputs[0].copy_(host_in[0] + 1)
+        return work.completed_work()
+
+
+def _issue(group, value: float) -> "work.PendingWork":
+    pending = work.PendingWork(group, [torch.tensor(value)], [torch.zeros(())], call=None, in_place=False)
+    work.ISSUED.add(pending)
+    return pending
+
+
+def test_waiting_on_the_last_runs_everything_issued_in_order():
+    group = _Group()
+    first, second = _issue(group, 1.0), _issue(group, 2.0)
+    second.wait()
+    assert group.calls == [1.0, 2.0] and float(first.outputs[0]) == 2.0 and float(second.outputs[0]) == 3.0
+    assert first.wait() and group.calls == [1.0, 2.0]
+
+
+def test_ops_stopped_by_a_failure_raise_instead_of_returning_stale_outputs():
+    group = _Group(fail_on=2.0)
+    first, failing, later = _issue(group, 1.0), _issue(group, 2.0), _issue(group, 3.0)
+    with pytest.raises(MemoryError):
+        later.wait()
+    assert first.wait() and float(first.outputs[0]) == 2.0
+    for stopped in (failing, later):
+        with pytest.raises(RuntimeError, match="never ran: .*MemoryError: device out of memory") as raised:
+            stopped.wait()
+        assert isinstance(raised.value.__cause__, MemoryError)
+        with pytest.raises(RuntimeError, match="never ran"):
+            stopped.get_future()
+    assert group.calls == [1.0, 2.0], "an op after the failure ran"
+    assert not work.ISSUED.ops
