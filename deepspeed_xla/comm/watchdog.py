@@ -42,6 +42,19 @@ def comm_timeout(default: timedelta) -> timedelta:
     return default if seconds is None else timedelta(seconds=seconds)
 
 
+@functools.lru_cache(maxsize=None)
+def pid_namespace() -> str:
+    """Where this process's pid means this process: the kernel's boot id and the PID namespace. A hostname is not
+    enough: containers on the host network and cloned VMs share it, and their pids are not ours to look up."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot_id = handle.read().strip()
+        namespace = os.stat("/proc/self/ns/pid")
+    except OSError:  # not Linux: the hostname is what there is
+        return socket.gethostname()
+    return f"{boot_id}:{namespace.st_dev}:{namespace.st_ino}"
+
+
 def _process_started(pid: int) -> float:
     import psutil
     return psutil.Process(pid).create_time()
@@ -68,9 +81,9 @@ class Watchdog:
         self._server = store  # rank 0: keeps the store's server up after destroy_process_group()
         self._stopping = threading.Event()
         self._watched, self._count, self._since = None, None, 0.0
-        self._processes = {}  # rank -> (host, pid, start time), as each rank registered itself
+        self._processes = {}  # rank -> (pid namespace, pid, start time), as each rank registered itself
         self._raised = False  # this rank is ending with an uncaught exception (its traceback says why)
-        self._store.set(f"proc/{rank}", f"{socket.gethostname()} {os.getpid()} {_process_started(os.getpid())}")
+        self._store.set(f"proc/{rank}", f"{pid_namespace()} {os.getpid()} {_process_started(os.getpid())}")
         self._thread = threading.Thread(target=self._run, name="deepspeed_xla-watchdog", daemon=True)
 
     def start(self) -> None:
@@ -120,16 +133,16 @@ class Watchdog:
 
     def _process(self, rank: int):
         if rank not in self._processes and self._store.check([f"proc/{rank}"]):
-            host, pid, started = self._store.get(f"proc/{rank}").decode().split()
-            self._processes[rank] = (host, int(pid), float(started))
+            namespace, pid, started = self._store.get(f"proc/{rank}").decode().split()
+            self._processes[rank] = (namespace, int(pid), float(started))
         return self._processes.get(rank)
 
     def _local_peer_gone(self, rank: int) -> Optional[str]:
         process = self._process(rank)
         if process is None:
             return None
-        host, pid, started = process
-        if host != socket.gethostname() or not _local_process_gone(pid, started):
+        namespace, pid, started = process
+        if namespace != pid_namespace() or not _local_process_gone(pid, started):
             return None
         if self._store.check([f"done/{rank}"]):
             return None
