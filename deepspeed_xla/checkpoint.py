@@ -9,6 +9,7 @@ theirs, and rewrites it in place: a rank killed during a save can leave ``latest
 incomplete checkpoint, or empty. Here ``latest`` is replaced atomically once every rank's files are
 written and flushed.
 """
+import contextlib
 import copy
 import os
 from typing import Any, Dict
@@ -103,12 +104,21 @@ class CpuCheckpointEngine:
 
 
 def write_latest(save_dir: str, tag: str) -> None:
-    """Point ``save_dir/latest`` at ``tag`` atomically: readers see the old tag or the new one, never a part."""
+    """Point ``save_dir/latest`` at ``tag`` atomically: readers see the old tag or the new one, never a part.
+    The tag's folder entries reach the disk first; a failed write leaves the old ``latest`` and no temporary file."""
+    tag_dir = os.path.join(save_dir, str(tag))
+    if os.path.isdir(tag_dir):
+        _fsync(tag_dir)
     path = os.path.join(save_dir, LATEST)
     staging = f"{path}.tmp.{os.getpid()}"
-    with open(staging, "w") as handle:
-        handle.write(tag)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(staging, path)
+    try:
+        with open(staging, "w") as handle:
+            handle.write(tag)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(staging, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(staging)
+        raise
     _fsync(save_dir)
