@@ -15,7 +15,7 @@ from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 
 from deepspeed_xla import comm, env_vars, xla_runtime
 from deepspeed_xla.devices import DeviceType, current_device_type
-from deepspeed_xla.launch_env import check_launch_env, is_launcher_process
+from deepspeed_xla.launch_env import check_launch_env, fill_single_process_env, is_launcher_process
 from deepspeed_xla.process_setup import check_host_launch, setup_process
 
 _DEVICE_INDEX = 0
@@ -247,8 +247,11 @@ class XLA_Accelerator(DeepSpeedAccelerator):
         return callback()
 
     def communication_backend_name(self):
-        """Registers the backend with torch.distributed on first use (DeepSpeed inits right after)."""
+        """Registers the backend with torch.distributed on first use, which is the start of DeepSpeed's
+        ``init_distributed``. A process without a launcher becomes rank 0 of 1 here, not at ``import deepspeed``:
+        a parent that imports deepspeed and then spawns ranks must not hand them a one-rank world."""
         if self._communication_backend_name is None:
+            fill_single_process_env(os.environ)
             check_launch_env()
             device_type = self.device_type
             self._communication_backend_name = comm.register_backend(device_type.comm_backend,

@@ -9,8 +9,7 @@ import sys
 import warnings
 
 from deepspeed_xla.bootstrap import ACCELERATOR_NAME
-from deepspeed_xla.launch_env import (fill_scheduler_env, fill_single_process_env, is_deepspeed_runner,
-                                      is_launcher_process)
+from deepspeed_xla.launch_env import fill_scheduler_env, is_deepspeed_runner, is_launcher_process
 
 
 def wants_xla() -> bool:
@@ -32,8 +31,8 @@ def on_real_accelerator_loaded(module) -> None:
         from deepspeed_xla.accelerator import XLA_Accelerator
         module.ds_accelerator = XLA_Accelerator()
         os.environ.setdefault("DS_ACCELERATOR", ACCELERATOR_NAME)
-        if not is_launcher_process():
-            fill_single_process_env(os.environ) or fill_scheduler_env(os.environ)
+        if not is_launcher_process():  # at start-up: scripts read LOCAL_RANK while parsing their arguments
+            fill_scheduler_env(os.environ)
 
 
 def register():

@@ -1,6 +1,7 @@
 """XLA_Accelerator against DeepSpeed's accelerator interface, on a real PJRT CPU device."""
 import importlib
 import inspect
+import os
 
 import pytest
 import torch
@@ -219,3 +220,19 @@ def test_op_builders(accel):
     assert not NotImplementedBuilder().is_compatible()
     with pytest.raises(ValueError, match="no XLA implementation"):
         NotImplementedBuilder().load()
+
+
+def test_importing_deepspeed_leaves_the_launcher_variables_to_the_process_that_joins_a_job(monkeypatch):
+    """A parent that imports deepspeed and then starts ranks (mp.spawn) must not hand them a one-rank world: the
+    variables are filled in where DeepSpeed's init_distributed starts, by the process that trains."""
+    import types
+
+    from deepspeed_xla import registration
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "placeholder")  # so that monkeypatch removes what the fill sets
+        monkeypatch.delenv(name)
+    module = types.SimpleNamespace(SUPPORTED_ACCELERATOR_LIST=[], ds_accelerator=None)
+    registration.on_real_accelerator_loaded(module)
+    assert isinstance(module.ds_accelerator, XLA_Accelerator) and "RANK" not in os.environ
+    module.ds_accelerator.communication_backend_name()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("0", "1", "0")
