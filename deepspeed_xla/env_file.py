@@ -3,7 +3,8 @@
 DeepSpeed's runner reads ``~/.deepspeed_env`` then ``./.deepspeed_env`` (name from ``DS_ENV_FILE``),
 later files winning, but only to export them to remote hosts, and its parser fails on blank lines.
 This module reads the same files in the same order, tolerating blank lines, ``#`` comments,
-``export`` prefixes, quotes and ``=`` inside values, and applies them to the runner's own environment
+``export`` prefixes, quotes and ``=`` inside values, refusing what a remote shell would read otherwise
+(``$VAR``, a ``# comment`` after a value), and applies them to the runner's own environment
 so that the runner, ``launch.py`` and every worker see them. Imported by the startup hook: os only.
 """
 import os
@@ -12,6 +13,10 @@ import sys
 from typing import Dict, List, MutableMapping, Tuple
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_INLINE_COMMENT = re.compile(r"\s#")
+_EXPANSION = re.compile(r"\$[A-Za-z_{(]|`")
+# Variables that change which programs and libraries every process of the job loads.
+LOADER_VARIABLES = ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PATH")
 
 
 def env_file_paths(environ=os.environ) -> List[str]:
@@ -43,6 +48,14 @@ def parse_env_text(text: str, source: str = "<string>") -> Dict[str, str]:
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
+        elif _INLINE_COMMENT.search(value):
+            raise ValueError(f"{source}:{number}: {key}'s value {value!r} has a # comment after it, which a shell "
+                             "drops and this file keeps: put the comment on a line of its own (or quote the value "
+                             "if the # belongs to it).")
+        if _EXPANSION.search(value):
+            raise ValueError(f"{source}:{number}: {key}={value!r} asks for shell expansion, which .deepspeed_env "
+                             "values never get (every host receives the characters as written): write the value "
+                             "itself.")
         values[key] = value
     return values
 
@@ -75,4 +88,7 @@ def apply_deepspeed_env(environ: MutableMapping[str, str]) -> Dict[str, str]:
             continue
         environ[key] = value
         applied[key] = value
+        if key in LOADER_VARIABLES:
+            print(f"deepspeed_xla: .deepspeed_env sets {key}={value!r} for every process of the job on every host: "
+                  "it changes which programs and libraries they load.", file=sys.stderr)
     return applied
