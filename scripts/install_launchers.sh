@@ -8,7 +8,7 @@ PROGRAMS=(/usr/sbin/sshd /usr/bin/ssh /usr/bin/pdsh /usr/bin/mpirun.openmpi /usr
 for program in "${PROGRAMS[@]}"; do
   if [ ! -x "$program" ]; then
     SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
-    echo "deepspeed_xla: installing sshd, pdsh, OpenMPI, MPICH and Slurm for the launcher tests ($program is missing)" >&2
+    echo "deepspeed_xla: installing sshd, pdsh, OpenMPI, MPICH and Slurm ($program is missing)" >&2
     $SUDO apt-get update -q
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends \
       openssh-server openssh-client pdsh openmpi-bin libopenmpi-dev mpich slurm-wlm munge >/dev/null
