@@ -131,5 +131,20 @@ class HostWork(dist.Work):
         self._outputs = self._hosts = []
         return True
 
+    def is_completed(self) -> bool:
+        """Whether gloo has finished, without blocking; a finished op has written its results, as after ``wait``."""
+        works = self._works if isinstance(self._works, (list, tuple)) else [self._works]
+        if not all(work.is_completed() for work in works):
+            return False
+        return self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        """Completed at once (the op is waited on): its result is the op's output tensors."""
+        outputs = self._outputs
+        self.wait()
+        future = torch.futures.Future()
+        future.set_result(outputs)
+        return future
+
     def _source_rank(self) -> int:
         return self._works._source_rank()

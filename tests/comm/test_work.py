@@ -48,3 +48,33 @@ def test_ops_stopped_by_a_failure_raise_instead_of_returning_stale_outputs():
             stopped.get_future()
     assert group.calls == [1.0, 2.0], "an op after the failure ran"
     assert not work.ISSUED.ops
+
+
+class _GlooWork:
+    """Stands in for a gloo Work that finishes when told to."""
+
+    def __init__(self):
+        self.finished = False
+
+    def is_completed(self) -> bool:
+        return self.finished
+
+    def wait(self) -> bool:
+        self.finished = True
+        return True
+
+
+def test_host_work_is_completed_without_blocking_and_writes_its_results_once_done():
+    """What isend/irecv return: polling ``is_completed`` must neither block nor report an op whose results are not
+    in its tensors yet."""
+    gloo, target, received = _GlooWork(), torch.zeros(3), torch.arange(3.0)
+    pending = work.HostWork(gloo, [target], [received])
+    assert not pending.is_completed() and not target.any() and not gloo.finished
+    gloo.finished = True
+    assert pending.is_completed() and torch.equal(target, received)
+
+
+def test_host_work_future_holds_the_outputs():
+    target, received = torch.zeros(2), torch.ones(2)
+    future = work.HostWork([_GlooWork()], [target], [received]).get_future()
+    assert future.done() and future.value()[0] is target and torch.equal(target, received)
