@@ -7,6 +7,7 @@ DeepSpeed's CPU accelerator the same way. Needs sshd, pdsh, OpenMPI, MPICH and S
 """
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -17,7 +18,7 @@ from deepspeed_xla.launch_env import free_port
 from tests import services
 from tests.conftest import FAST_COMPILE, FIXTURES, VENV_BIN, clean_env
 from tests.multiproc import (TRAIN, TWO_RANK_RUN, assert_trains_like, ds_config, last_error, read_results,
-                             run_command, train_arguments)
+                             run_command, run_job, train_arguments)
 
 CONFIG = ds_config(2)
 PROBE_DIR = FIXTURES / "runtime_probe"
@@ -39,18 +40,22 @@ def _mpirun(folder: Path, implementation: str) -> Dict[str, str]:
     return {"PATH": f"{folder}{os.pathsep}{clean_env()['PATH']}"}
 
 
-def launch(workdir: Path, command: List[str], hosts: Optional[str] = "localhost slots=2\n",
-           env: Optional[dict] = None, timeout: float = 300):
+def _command(workdir: Path, command: List[str], hosts: Optional[str], env: Optional[dict]):
     """``command`` (the ``deepspeed`` CLI's or ``srun``'s arguments before the script) with ``scripts/train.py``
-    and the ZeRO-2 run's arguments after it, in ``workdir`` with ``env``; its ``CompletedProcess`` and where
+    and the ZeRO-2 run's arguments after it, its environment (XLA, gloo on loopback, then ``env``), and where
     rank 0's JSON goes. ``hosts``: the hostfile's text, passed as ``--hostfile``."""
     args, out = train_arguments(workdir, "xla", CONFIG, TWO_RANK_RUN["steps"])
     if hosts is not None:
         (workdir / "hostfile").write_text(hosts)
         command = [command[0], "--hostfile", str(workdir / "hostfile"), *command[1:]]
-    cmd = [*command, str(TRAIN), *args]
-    proc = run_command(cmd, timeout, cwd=workdir, env=clean_env(**(env or {})))
-    return proc, out
+    return [*command, str(TRAIN), *args], clean_env(**{"DS_ACCELERATOR": "xla", "GLOO_SOCKET_IFNAME": "lo",
+                                                         **(env or {})}), out
+
+
+def launch(workdir: Path, command: List[str], hosts: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``_command``'s run, which may fail."""
+    cmd, env, _ = _command(workdir, command, hosts, env)
+    return run_command(cmd, timeout, cwd=workdir, env=env)
 
 
 def deepspeed(*args: str) -> List[str]:
@@ -59,9 +64,11 @@ def deepspeed(*args: str) -> List[str]:
             *args]
 
 
-def trained(workdir: Path, command: List[str], **kwargs) -> dict:
-    proc, out = launch(workdir, command, **kwargs)
-    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+def trained(workdir: Path, command: List[str], hosts: Optional[str] = "localhost slots=2\n",
+            env: Optional[dict] = None) -> dict:
+    """``_command``'s run, which must succeed; every rank's JSON (``read_results``)."""
+    cmd, env, out = _command(workdir, command, hosts, env)
+    run_job(cmd, env, workdir, timeout=300)
     return read_results(out, 2)
 
 
@@ -77,7 +84,7 @@ def sshd(tmp_path_factory):
 
 
 def _pdsh_env(sshd: dict, **extra) -> dict:
-    return {"PDSH_SSH_ARGS_APPEND": sshd["ssh_args"], "GLOO_SOCKET_IFNAME": "lo", **extra}
+    return {"PDSH_SSH_ARGS_APPEND": sshd["ssh_args"], **extra}
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +125,8 @@ def test_pdsh_hosts_get_the_runners_deepspeed_env(pdsh_run, sshd):
 def test_unreachable_host_stops_the_runner_naming_it(tmp_path, sshd):
     """127.0.0.3 has no sshd: the runner names it within seconds instead of leaving rank 0 at the rendezvous."""
     started = time.monotonic()
-    proc, _ = launch(tmp_path, deepspeed("--ssh_port", sshd["port"], "--no_ssh_check"),
-                     hosts="localhost slots=1\n127.0.0.3 slots=1\n", env=_pdsh_env(sshd, DS_ACCELERATOR="xla"),
-                     timeout=120)
+    proc = launch(tmp_path, deepspeed("--ssh_port", sshd["port"], "--no_ssh_check"),
+                  hosts="localhost slots=1\n127.0.0.3 slots=1\n", env=_pdsh_env(sshd), timeout=120)
     assert time.monotonic() - started < 60
     error = last_error(proc)
     assert "cannot reach 127.0.0.3 over ssh" in error and "Connection refused" in error, error
@@ -128,17 +134,15 @@ def test_unreachable_host_stops_the_runner_naming_it(tmp_path, sshd):
 
 
 def test_openmpi_matches_cpu_accelerator(tmp_path, cpu_run):
-    env = {"DS_ACCELERATOR": "xla", "GLOO_SOCKET_IFNAME": "lo", **OPENMPI_AS_ROOT,
-           **_mpirun(tmp_path / "bin", "openmpi")}
+    env = {**OPENMPI_AS_ROOT, **_mpirun(tmp_path / "bin", "openmpi")}
     xla = trained(tmp_path, deepspeed("--force_multi", "--no_ssh_check", "--launcher", "openmpi",
                                       "--launcher_args", OPENMPI_ARGS), env=env)
     assert_trains_like(xla, cpu_run, "float32")
 
 
 def test_mpich_matches_cpu_accelerator(tmp_path, cpu_run):
-    env = {"DS_ACCELERATOR": "xla", "GLOO_SOCKET_IFNAME": "lo", **_mpirun(tmp_path / "bin", "mpich")}
     xla = trained(tmp_path, deepspeed("--force_multi", "--no_ssh_check", "--launcher", "mpich",
-                                      f"--launcher_args={MPICH_ARGS}"), env=env)
+                                      f"--launcher_args={MPICH_ARGS}"), env=_mpirun(tmp_path / "bin", "mpich"))
     assert_trains_like(xla, cpu_run, "float32")
 
 
@@ -149,14 +153,12 @@ def slurm(tmp_path_factory):
 
 
 def test_deepspeed_slurm_launcher_matches_cpu_accelerator(tmp_path, slurm, cpu_run):
-    env = {"DS_ACCELERATOR": "xla", "GLOO_SOCKET_IFNAME": "lo", **slurm}
-    xla = trained(tmp_path, deepspeed("--force_multi", "--no_ssh_check", "--launcher", "slurm"), env=env)
+    xla = trained(tmp_path, deepspeed("--force_multi", "--no_ssh_check", "--launcher", "slurm"), env=slurm)
     assert_trains_like(xla, cpu_run, "float32")
 
 
 def test_srun_without_ntasks_per_node_matches_cpu_accelerator(tmp_path, slurm, cpu_run):
     """``srun -n 2 python train.py``: no DeepSpeed runner, no ``--ntasks-per-node``, no ``MASTER_ADDR``; ranks,
     local sizes and the rendezvous come from Slurm's variables."""
-    env = {"DS_ACCELERATOR": "xla", "GLOO_SOCKET_IFNAME": "lo", **slurm}
-    xla = trained(tmp_path, ["srun", "-n", "2", str(VENV_BIN / "python"), "-u"], hosts=None, env=env)
+    xla = trained(tmp_path, ["srun", "-n", "2", str(VENV_BIN / "python"), "-u"], hosts=None, env=slurm)
     assert_trains_like(xla, cpu_run, "float32")
