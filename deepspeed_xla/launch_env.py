@@ -115,7 +115,9 @@ def fill_scheduler_env(env: MutableMapping[str, str]) -> bool:
     task as rank 0 of 1. Slurm names its first node and job, which give the address and port when they are
     unset; MPI without them (``mpirun python train.py``) is left to DeepSpeed. Returns whether anything was set.
     """
-    position = None if "RANK" in env or not any(name in env for name in _MPI_MARKERS) else global_rank_and_size(env)
+    if "RANK" in env or not any(name in env for name in _MPI_MARKERS):
+        return False
+    position = global_rank_and_size(env)
     if position is None:
         return False
     if "SLURM_PROCID" in env:

@@ -251,20 +251,20 @@ def check_op_builders(report: Report) -> None:
     report.row("no XLA implementation", ", ".join(unavailable))
 
 
-def _found(program: str) -> str:
-    path = shutil.which(program)
+def _found(program: str, path: Optional[str]) -> str:
     if path is None:
         return f"{program}: not found"
-    real = os.path.realpath(path)
-    return f"{program}: {path}" + (f" ({os.path.basename(real)})" if os.path.basename(real) != program else "")
+    real = os.path.basename(os.path.realpath(path))
+    return f"{program}: {path}" + (f" ({real})" if real != program else "")
 
 
 def check_launchers(report: Report) -> None:
     """Which ``deepspeed --launcher`` backends this host has the programs for, found on PATH (none is run)."""
     for launcher, programs in LAUNCHER_PROGRAMS.items():
-        missing = [program for program in programs if shutil.which(program) is None]
+        paths = {program: shutil.which(program) for program in programs}
+        missing = [program for program, path in paths.items() if path is None]
         state = "usable" if not missing else f"missing {', '.join(missing)}"
-        report.row(f"--launcher {launcher}", f"{state}; {', '.join(map(_found, programs))}")
+        report.row(f"--launcher {launcher}", f"{state}; {', '.join(_found(*item) for item in paths.items())}")
     try:
         mpi4py = f"{metadata.version('mpi4py')}"
     except metadata.PackageNotFoundError:

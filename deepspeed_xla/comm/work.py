@@ -20,9 +20,14 @@ def completed_work(result=None) -> dist.Work:
     return torch._C._distributed_c10d._create_work_from_future(future)
 
 
+def _each(works) -> Sequence[dist.Work]:
+    """A gloo call's Work, or its list of them (one per bucket or peer), as a list."""
+    return works if isinstance(works, (list, tuple)) else [works]
+
+
 def wait_all(works) -> None:
     try:
-        for work in works if isinstance(works, (list, tuple)) else [works]:
+        for work in _each(works):
             work.wait()
     except RuntimeError as error:  # gloo: a peer closed the connection, or the timeout passed
         watchdog.explain_failure(error)
@@ -133,8 +138,7 @@ class HostWork(dist.Work):
 
     def is_completed(self) -> bool:
         """Whether gloo has finished, without blocking; a finished op has written its results, as after ``wait``."""
-        works = self._works if isinstance(self._works, (list, tuple)) else [self._works]
-        if not all(work.is_completed() for work in works):
+        if not all(work.is_completed() for work in _each(self._works)):
             return False
         return self.wait()
 
