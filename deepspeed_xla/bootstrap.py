@@ -6,9 +6,11 @@
 DeepSpeed has no plugin mechanism and captures its accelerator while ``import deepspeed`` is still
 running, so the only reliable moment to register is right after ``real_accelerator``'s module body
 ran. A ``sys.meta_path`` finder wraps that module and the few that ``patches/`` touches (``_AFTER_IMPORT``).
+The same finder imports the big frameworks with the cyclic garbage collector paused (``_FROZEN_IMPORTS``).
 Nothing here imports torch or deepspeed:
-this file costs every Python process a few stat calls and must stay that cheap (only os/sys).
+this file costs every Python process a few stat calls and must stay that cheap (only gc/os/sys).
 """
+import gc
 import os
 import sys
 
@@ -38,38 +40,63 @@ _AFTER_IMPORT = {
     "deepspeed.launcher.multinode_runner": _PATCHES_HOOK,
     "deepspeed.comm.torch": _PATCHES_HOOK,
 }
+#: Top-level packages whose import runs with the cyclic GC paused, then frozen (why: ``_exec_frozen``).
+_FROZEN_IMPORTS = ("torch", "torch_xla", "deepspeed")
 
 
 class _DeepSpeedFinder:
-    """Meta-path finder that wraps the loaders of the few DeepSpeed modules we hook."""
+    """Meta-path finder that wraps the loaders of the few DeepSpeed modules we hook, and of the frameworks."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _AFTER_IMPORT:
+        if fullname not in _AFTER_IMPORT and fullname not in _FROZEN_IMPORTS:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _WrappingLoader(spec.loader, _AFTER_IMPORT[fullname])
+                spec.loader = _WrappingLoader(spec.loader, _AFTER_IMPORT.get(fullname), fullname in _FROZEN_IMPORTS)
                 return spec
         return None
 
 
+def _exec_frozen(loader, module) -> None:
+    """Run a framework's import with the cyclic GC paused, then freeze the objects it made.
+
+    torch, torch_xla (with the dynamo and inductor modules it pulls in) and DeepSpeed build about a
+    million objects that live until exit. Collections during the import, and the one at exit, walk them
+    again and again: seconds of CPU in every rank (docs/performance.md). Frozen objects are skipped by
+    every later collection. (Nested framework imports freeze with the outermost one.)
+    """
+    outermost = gc.isenabled()
+    gc.disable()
+    try:
+        loader.exec_module(module)
+    finally:
+        if outermost:
+            gc.freeze()
+            gc.enable()
+
+
 class _WrappingLoader:
 
-    def __init__(self, loader, hook):
+    def __init__(self, loader, hook, frozen: bool):
         self._loader = loader
         self._hook = hook
+        self._frozen = frozen
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
-        self._loader.exec_module(module)
-        import importlib
-        module_name, function = self._hook
-        getattr(importlib.import_module(module_name), function)(module)
+        if self._frozen:
+            _exec_frozen(self._loader, module)
+        else:
+            self._loader.exec_module(module)
+        if self._hook:
+            import importlib
+            module_name, function = self._hook
+            getattr(importlib.import_module(module_name), function)(module)
 
     def __getattr__(self, name):
         return getattr(self._loader, name)

@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import clean_env
 from tests.multiproc import run_command, run_python
 
@@ -74,3 +76,34 @@ def test_explicit_register_after_import():
             "print(get_accelerator().device_name(), any('after `import deepspeed`' in str(x.message) for x in w))")
     out = _python(code, DS_ACCELERATOR=None).stdout.split()
     assert out[-2:] == ["xla", "True"]
+
+
+FROZEN = """
+import gc, json
+import torch_xla, deepspeed
+print(json.dumps({"frozen": gc.get_freeze_count(), "enabled": gc.isenabled(), "left": len(gc.get_objects())}))
+"""
+
+
+def test_frameworks_import_with_the_collector_paused_then_frozen():
+    """torch, torch_xla and DeepSpeed's module objects live until exit: frozen, no collection walks them again."""
+    hooked = json.loads(_python(FROZEN).stdout.strip().splitlines()[-1])
+    plain = json.loads(_python(FROZEN, DS_XLA_DISABLE_HOOK="1").stdout.strip().splitlines()[-1])
+    assert plain["frozen"] == 0 and plain["enabled"]
+    assert hooked["enabled"], "the collector stays on after the imports"
+    assert hooked["frozen"] > 10 * hooked["left"], hooked  # what the frameworks built is all frozen
+    assert hooked["frozen"] + hooked["left"] > plain["left"] / 2, (hooked, plain)
+
+
+def test_a_failing_frozen_import_leaves_the_collector_on(tmp_path, monkeypatch):
+    from deepspeed_xla import bootstrap
+    (tmp_path / "dsx_broken_framework.py").write_text("raise RuntimeError('broken at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(bootstrap, "_FROZEN_IMPORTS", bootstrap._FROZEN_IMPORTS + ("dsx_broken_framework",))
+    bootstrap.install()
+    assert bootstrap.is_active()
+    import gc
+    frozen = gc.get_freeze_count()
+    with pytest.raises(RuntimeError, match="broken at import"):
+        import dsx_broken_framework  # noqa: F401
+    assert gc.isenabled() and gc.get_freeze_count() > frozen
