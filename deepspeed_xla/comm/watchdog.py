@@ -9,12 +9,16 @@ stops only the ranks of its own host. So each rank runs a thread that, every ``i
   a counter that has not moved for the timeout, or a process gone from this host, is a failed rank;
 - stops the job once a failure is known: the first failure is published under one store key (a rank
   that raises publishes its own exception), and every rank that reads it prints it and exits with 1.
-A rank that exits normally marks itself done; rank 0, whose process hosts the store, exits last.
+A rank that exits normally (``os._exit(0)`` included) marks itself done; rank 0, whose process hosts the
+store, exits last. A rank that ended is a failure only for a rank that waits for it in a collective: the
+waiting rank's gloo op fails when the ended process closes its connections, and rank 0, which stays until
+every rank is done, sees the ranks that have waited for several intervals (``waiting()``).
 
 The timeout is the process group's (DeepSpeed: ``init_distributed(timeout=...)``, default 10 min,
 ``DEEPSPEED_TIMEOUT`` in minutes); ``DS_XLA_COMM_TIMEOUT`` (seconds) overrides it.
 """
 import atexit
+import contextlib
 import functools
 import os
 import socket
@@ -32,8 +36,11 @@ TIMEOUT_ENV = "DS_XLA_COMM_TIMEOUT"
 EXIT_CODE = 1
 _PREFIX = "deepspeed_xla/watchdog/"
 _FAILED = "failed"
+_WAITS_BEFORE_FAILED = 3  # intervals a rank waits for one that ended before that is a failure: more than one
+#                           interval, so a wait that just ended (its key is cleared within one) never counts
 
 _watchdog: Optional["Watchdog"] = None
+_real_exit = os._exit
 
 
 def comm_timeout(default: timedelta) -> timedelta:
@@ -83,6 +90,11 @@ class Watchdog:
         self._watched, self._count, self._since = None, None, 0.0
         self._processes = {}  # rank -> (pid namespace, pid, start time), as each rank registered itself
         self._raised = False  # this rank is ending with an uncaught exception (its traceback says why)
+        self._finishing = False  # rank 0 at exit: it tells the others of a failure instead of stopping at once
+        self._waiting_since: Optional[float] = None  # set by the job's thread while it waits on peers
+        self._waits = 0  # this rank's waits so far, to tell one long wait from two
+        self._waiting_key: Optional[str] = None  # the wait published under waiting/<rank>, if any
+        self.pid = os.getpid()  # a forked child (a DataLoader worker) is not this rank
         self._store.set(f"proc/{rank}", f"{pid_namespace()} {os.getpid()} {_process_started(os.getpid())}")
         self._thread = threading.Thread(target=self._run, name="deepspeed_xla-watchdog", daemon=True)
 
@@ -95,6 +107,7 @@ class Watchdog:
         while not self._stopping.wait(self.interval):
             try:
                 self._store.add(f"beat/{self.rank}", 1)
+                self._publish_waiting()
                 failure = self.published_failure() or self._check_watched()
             except (RuntimeError, OSError) as exc:  # the store's process (rank 0) is gone
                 if self._stopping.is_set():
@@ -102,7 +115,9 @@ class Watchdog:
                 failure = f"lost the rendezvous store on rank 0 ({exc}): rank 0 died or its host is unreachable"
             if self._raised:
                 return
-            if failure:
+            if failure and self._finishing:
+                self.publish(failure)
+            elif failure:
                 self.stop_job(failure)
 
     def _check_watched(self) -> Optional[str]:
@@ -122,6 +137,25 @@ class Watchdog:
             return (f"rank {target} sent no heartbeat for {self.timeout:g} s: it died, hung, or its host is "
                     f"unreachable ({TIMEOUT_ENV}={self.timeout:g})")
         return None
+
+    def _publish_waiting(self) -> None:
+        """Tell the store about a wait longer than one interval, and clear it once it ended."""
+        since = self._waiting_since
+        key = f"{self._waits}" if since is not None and time.monotonic() - since > self.interval else None
+        if key != self._waiting_key:
+            self._store.set(f"waiting/{self.rank}", key or "")
+            self._waiting_key = key
+
+    def _waiting_ranks(self) -> dict:
+        """Running ranks that have published a wait: rank -> which wait."""
+        ranks = {}
+        for offset in range(1, self.size):
+            rank = (self.rank + offset) % self.size
+            if not self._store.check([f"done/{rank}"]) and self._store.check([f"waiting/{rank}"]):
+                wait = self._store.get(f"waiting/{rank}").decode()
+                if wait:
+                    ranks[rank] = wait
+        return ranks
 
     def _next_running(self) -> Optional[int]:
         """The next rank after this one, in ring order, that has not finished."""
@@ -144,7 +178,7 @@ class Watchdog:
         namespace, pid, started = process
         if namespace != pid_namespace() or not _local_process_gone(pid, started):
             return None
-        if self._store.check([f"done/{rank}"]):
+        if self._ended(rank):
             return None
         return f"rank {rank} (pid {pid}) exited unexpectedly: killed, out of memory, or crashed"
 
@@ -171,11 +205,12 @@ class Watchdog:
         """Print the job's first failure and end this process (a collective may hold the main thread)."""
         try:
             failure = self.publish(failure)
+            self._store.set(f"stopped/{self.rank}", "1")
         except (RuntimeError, OSError):  # the store is gone: report what this rank saw
             pass
         sys.stderr.write(f"[deepspeed_xla] rank {self.rank} stops: {failure}\n")
         sys.stderr.flush()
-        os._exit(EXIT_CODE)
+        _real_exit(EXIT_CODE)
 
     def find_failure(self) -> Optional[str]:
         """A failed rank, looked for until the timeout: local peers at once, the others by heartbeat."""
@@ -184,22 +219,69 @@ class Watchdog:
             failure = self.published_failure()
             for rank in range(self.size):
                 failure = failure or (self._local_peer_gone(rank) if rank != self.rank else None)
+            ended = [rank for rank in range(self.size) if rank != self.rank and self._store.check([f"done/{rank}"])]
+            if ended and not failure:
+                failure = f"rank {ended[0]} ended while rank {self.rank} waits in a collective"
             if failure or time.monotonic() > deadline:
                 return failure
             time.sleep(self.interval)
 
     def finish(self) -> None:
         """At exit: mark this rank done, unless the job failed; rank 0 keeps the store up until every
-        rank is done (its thread still stops the job if one fails meanwhile)."""
+        rank is done (its thread still stops the job if one fails meanwhile), and stops the ranks that
+        wait for it in a collective meanwhile."""
+        if os.getpid() != self.pid:
+            return
         try:
             if self.published_failure() is None:
                 self._store.set(f"done/{self.rank}", "1")
-                while self.rank == 0 and self._next_running() is not None:
-                    time.sleep(0.05)
+                if self.rank == 0:
+                    self._finishing = True
+                    self._outlive_running_ranks()
         except (RuntimeError, OSError):  # the store is gone: nobody is left to tell
             pass
         self._stopping.set()
         self._thread.join()
+
+    def _outlive_running_ranks(self) -> None:
+        """Rank 0 at exit keeps the store up for the running ranks. One that stays in the same wait for
+        several intervals waits for this rank, which will not come: that is the job's failure."""
+        first_seen, next_scan = {}, 0.0  # (rank, wait) -> when this rank first saw it
+        while self._next_running() is not None and self.published_failure() is None:
+            now = time.monotonic()
+            if now >= next_scan:  # every rank's key: twice an interval, not at the pace of the exit check
+                next_scan = now + self.interval / 2
+                first_seen = {wait: first_seen.get(wait, now) for wait in self._waiting_ranks().items()}
+                stuck = [rank for (rank, _), since in first_seen.items()
+                         if now - since > _WAITS_BEFORE_FAILED * self.interval]
+                if stuck:
+                    self.publish(f"rank {self.rank} ended while rank {stuck[0]} waits in a collective")
+            time.sleep(0.05)
+        running = set(range(1, self.size))
+        deadline = time.monotonic() + self.timeout  # every rank reads the failure before the store goes
+        while running and time.monotonic() < deadline:
+            running = {rank for rank in running if not self._ended(rank)}
+            time.sleep(0.05)
+
+    def _ended(self, rank: int) -> bool:
+        """Whether ``rank`` finished, or stopped for the job's failure."""
+        return self._store.check([f"done/{rank}"]) or self._store.check([f"stopped/{rank}"])
+
+    @contextlib.contextmanager
+    def waiting(self):
+        self._waits += 1
+        self._waiting_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._waiting_since = None
+
+    def exit_called(self, code: int) -> None:
+        """``os._exit(code)`` skips atexit: 0 ends this rank like a normal exit, anything else fails the job."""
+        if code == 0:
+            self.finish()
+        else:
+            self.publish(f"rank {self.rank} called os._exit({code})")
 
 
 def start(store, rank: int, size: int, timeout: timedelta) -> None:
@@ -220,6 +302,23 @@ def start(store, rank: int, size: int, timeout: timedelta) -> None:
 
     sys.excepthook = excepthook
     atexit.register(_watchdog.finish)
+    os._exit = _exit_telling_peers
+
+
+def _exit_telling_peers(code: int) -> NoReturn:
+    """``os._exit`` while a watchdog runs: scripts end with it (torch_xla's examples do), and a peer that
+    is still saving its checkpoint must not take that for a crash."""
+    if os.getpid() == _watchdog.pid:
+        try:
+            _watchdog.exit_called(code)
+        except (RuntimeError, OSError):  # the store is gone
+            pass
+    _real_exit(code)
+
+
+def waiting():
+    """Around a blocking wait on peers: while it lasts, a rank that ended is this rank's failure."""
+    return _watchdog.waiting() if _watchdog is not None else contextlib.nullcontext()
 
 
 def watched(create_group: Callable) -> Callable:

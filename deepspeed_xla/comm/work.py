@@ -27,8 +27,9 @@ def _each(works) -> Sequence[dist.Work]:
 
 def wait_all(works) -> None:
     try:
-        for work in _each(works):
-            work.wait()
+        with watchdog.waiting():
+            for work in _each(works):
+                work.wait()
     except RuntimeError as error:  # gloo: a peer closed the connection, or the timeout passed
         watchdog.explain_failure(error)
 

@@ -152,7 +152,8 @@ def make_process_group_class():
             """A real barrier: every member contributes to a reduction whose value this process reads."""
             token = torch.zeros(1, device=self._device())
             xla_runtime.xm().all_reduce(xla_runtime.xm().REDUCE_SUM, [token], groups=self._mesh, pin_layout=False)
-            token.cpu()
+            with watchdog.waiting():
+                token.cpu()
             return _done([])
 
         def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):

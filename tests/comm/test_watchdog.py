@@ -1,5 +1,6 @@
 """``comm/watchdog.py``: a peer is looked up by pid only in this process's own PID namespace. (The watchdog in
 running jobs: tests/launched/test_faults.py.)"""
+import os
 import subprocess
 import types
 
@@ -23,3 +24,17 @@ def test_a_dead_pid_counts_only_in_this_pid_namespace():
     assert "exited unexpectedly" in _watchdog_seeing((here, dead.pid, 0.0))._local_peer_gone(1)
     other_container = here.rsplit(":", 1)[0] + ":1"
     assert _watchdog_seeing((other_container, dead.pid, 0.0))._local_peer_gone(1) is None
+
+
+class _NoStore:
+    def __getattr__(self, name):
+        raise AssertionError(f"the store was used ({name})")
+
+
+def test_a_forked_child_ending_does_not_finish_the_rank():
+    """DataLoader workers are forked from a rank and end with ``os._exit``: the rank itself has not finished."""
+    dog = watchdog.Watchdog.__new__(watchdog.Watchdog)
+    dog.pid = os.getpid() + 1  # what a forked child sees: the watchdog belongs to its parent
+    dog._store = _NoStore()
+    dog.finish()
+    dog.exit_called(0)

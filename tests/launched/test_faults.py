@@ -1,4 +1,4 @@
-"""A rank that dies, raises or goes silent ends the job within the comm timeout, naming that rank.
+"""A rank that dies, raises, goes silent or ends early ends the job within the comm timeout, naming that rank.
 
 Two views: ranks joined without a launcher (as on other hosts of a multi-host job, where no local
 launcher stops them), where the surviving rank must find out by itself; and the ``deepspeed`` CLI
@@ -7,6 +7,7 @@ with one rank killed mid-training, whose exit code must say the job failed.
 import os
 import signal
 import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -22,33 +23,72 @@ TIMEOUT = 6  # DS_XLA_COMM_TIMEOUT for the ranks without a launcher, seconds
 # For the launched job: the ranks find a dead local peer at once, but tearing down the launcher and
 # the runner takes seconds on a loaded 2-core machine.
 LAUNCHED_TIMEOUT = 30
-FAULT_ENV = "DSX_TEST_FAULT"
+FAULT_ENV = "DSX_TEST_FAULT"  # "<fault>:<rank>"
+
+
+class _EndsHere(Exception):
+    """The faulting rank's script returns: uneven data, or early stopping on one rank."""
 
 
 def _raise():
     raise ValueError("injected fault")
 
 
+def _end():
+    raise _EndsHere
+
+
 FAULTS = {
     "kill": lambda: os.kill(os.getpid(), signal.SIGKILL),  # killed, or out of host memory
     "stop": lambda: os.kill(os.getpid(), signal.SIGSTOP),  # alive but silent: a lost host
     "raise": _raise,
+    "end": _end,
+    "exit1": lambda: sys.exit(1),  # how frameworks end a failed run: no traceback, no excepthook
+    "os_exit0": lambda: os._exit(0),
+}
+#: (fault, faulting rank) -> what the other rank says when it stops.
+FAULTED = {
+    ("kill", 1): "rank 1 (pid",
+    ("stop", 1): "rank 1 sent no heartbeat for 6 s",
+    ("raise", 1): "rank 1 raised ValueError: injected fault",
+    ("end", 1): "rank 1 ended while rank 0 waits in a collective",
+    ("end", 0): "rank 0 ended while rank 1 waits in a collective",
+    ("exit1", 1): "rank 1 ended while rank 0 waits in a collective",
+    ("os_exit0", 1): "rank 1 ended while rank 0 waits in a collective",
 }
 
 
 def collective_loop() -> None:
-    """A rank: all-reduce an XLA tensor in a loop; after a few, rank 1 fails as ``DSX_TEST_FAULT`` says."""
+    """A rank: all-reduce an XLA tensor in a loop; after a few, one rank fails as ``DSX_TEST_FAULT`` says."""
     import deepspeed
     import torch.distributed as dist
     device = deepspeed.get_accelerator().current_device_name()  # XLA starts before the timeout applies
     deepspeed.init_distributed()
     rank = dist.get_rank()
+    fault, faulting = os.environ[FAULT_ENV].split(":")
     for step in range(100000):
         dist.all_reduce(torch.ones(4, device=device))
-        if rank == 1 and step == 3:
+        if rank == int(faulting) and step == 3:
             print(f"FAULT {time.time()}", flush=True)
-            FAULTS[os.environ[FAULT_ENV]]()
+            try:
+                FAULTS[fault]()
+            except _EndsHere:
+                return
     raise AssertionError(f"rank {rank} kept running after its peer's fault")
+
+
+def last_rank_saves_alone() -> None:
+    """Both ranks train, then rank 1 ends with ``os._exit(0)`` while rank 0 is still writing (no collective)."""
+    import deepspeed
+    import torch.distributed as dist
+    device = deepspeed.get_accelerator().current_device_name()
+    deepspeed.init_distributed()
+    for _ in range(4):
+        dist.all_reduce(torch.ones(4, device=device))
+    if dist.get_rank() == 1:
+        os._exit(0)
+    time.sleep(3)  # rank 0's own checkpoint shard: the watchdog sees rank 1 gone meanwhile
+    print("RANK 0 SAVED", flush=True)
 
 
 def test_comm_timeout_is_seconds_and_names_the_variable_when_wrong(monkeypatch):
@@ -64,46 +104,60 @@ def test_comm_timeout_is_seconds_and_names_the_variable_when_wrong(monkeypatch):
 
 
 def _output(files) -> str:
+    """A rank's stdout and stderr, without the C++ stack frames of c10d's warnings."""
     out, err = files
     out.seek(0)
     err.seek(0)
-    return out.read() + err.read()
+    return "".join(line for line in (out.read() + err.read()).splitlines(keepends=True) if "frame #" not in line)
 
 
 @pytest.fixture(scope="module")
 def faulted_jobs():
-    """Every fault at once, one 2-rank job each: {fault: (rank 0 exit code, seconds after the fault, output)}."""
-    jobs = {fault: start_ranks(f"{__name__}:collective_loop", 2,
-                               {"DS_ACCELERATOR": "xla", "DS_XLA_COMM_TIMEOUT": TIMEOUT, FAULT_ENV: fault})
-            for fault in FAULTS}
-    results = {}
+    """Every fault at once, one 2-rank job each: {(fault, rank): (the other rank's exit code, seconds from
+    this job's fault to that exit, output)}. Jobs are polled together, so each is timed from its own fault."""
+    jobs = {key: start_ranks(f"{__name__}:collective_loop", 2, {"DS_ACCELERATOR": "xla", "DS_XLA_COMM_TIMEOUT": TIMEOUT,
+                                                                 FAULT_ENV: f"{key[0]}:{key[1]}"})
+            for key in FAULTED}
+    ended = {}
     try:
-        for fault, (procs, logs) in jobs.items():
-            try:
-                procs[0].wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                pass
-            ended = time.time()
-            faulted = [line for line in _output(logs[1]).splitlines() if line.startswith("FAULT ")]
-            delay = ended - float(faulted[0].split()[1]) if faulted else None
-            results[fault] = (procs[0].returncode, delay, _output(logs[0]) + _output(logs[1]))
+        deadline = time.monotonic() + 180
+        while len(ended) < len(jobs) and time.monotonic() < deadline:
+            for (fault, rank), (procs, _) in jobs.items():
+                if (fault, rank) not in ended and procs[1 - rank].poll() is not None:
+                    ended[fault, rank] = time.time()
+            time.sleep(0.1)
     finally:
         for procs, _ in jobs.values():
             for proc in procs:
                 kill_group(proc)
+    results = {}
+    for (fault, rank), (procs, logs) in jobs.items():
+        faulted = [line for line in _output(logs[rank]).splitlines() if line.startswith("FAULT ")]
+        delay = ended[fault, rank] - float(faulted[0].split()[1]) if faulted and (fault, rank) in ended else None
+        results[fault, rank] = (procs[1 - rank].returncode, delay, _output(logs[0]) + _output(logs[1]))
     return results
 
 
-@pytest.mark.parametrize("fault, named", [
-    ("kill", "rank 1 (pid"),
-    ("stop", "rank 1 sent no heartbeat for 6 s"),
-    ("raise", "rank 1 raised ValueError: injected fault"),
-])
-def test_survivor_exits_naming_the_failed_rank(faulted_jobs, fault, named):
-    code, delay, output = faulted_jobs[fault]
-    assert code not in (0, None), f"rank 0 did not fail ({code}):\n{output[-6000:]}"
-    assert delay is not None and delay < TIMEOUT + 4, f"rank 0 ended {delay} s after the fault:\n{output[-6000:]}"
-    assert f"[deepspeed_xla] rank 0 stops: {named}" in output, output[-6000:]
+@pytest.mark.parametrize("fault, rank", FAULTED, ids=[f"{fault}-rank{rank}" for fault, rank in FAULTED])
+def test_survivor_exits_naming_the_failed_rank(faulted_jobs, fault, rank):
+    code, delay, output = faulted_jobs[fault, rank]
+    survivor = 1 - rank
+    assert code not in (0, None), f"rank {survivor} did not fail ({code}):\n{output[-6000:]}"
+    assert delay is not None and delay < TIMEOUT + 4, f"rank {survivor} ended {delay} s after the fault:\n{output[-6000:]}"
+    assert f"[deepspeed_xla] rank {survivor} stops: {FAULTED[fault, rank]}" in output, output[-6000:]
+
+
+def test_a_rank_that_ends_with_os_exit_lets_its_peer_finish_saving():
+    """torch_xla scripts often end with ``os._exit(0)``: that is an end, not a crash, for a peer still writing."""
+    procs, logs = start_ranks(f"{__name__}:last_rank_saves_alone", 2,
+                              {"DS_ACCELERATOR": "xla", "DS_XLA_COMM_TIMEOUT": TIMEOUT})
+    try:
+        codes = [proc.wait(timeout=180) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    output = _output(logs[0]) + _output(logs[1])
+    assert codes == [0, 0] and "RANK 0 SAVED" in output, f"{codes}\n{output[-6000:]}"
 
 
 def _worker(launcher: psutil.Process, local_rank: int) -> psutil.Process:
