@@ -7,11 +7,15 @@ callable ``map_location``); here every XLA tensor is copied to the host first, a
 DeepSpeed's rank 0 writes ``latest`` right after its own files, while other ranks may still be writing
 theirs, and rewrites it in place: a rank killed during a save can leave ``latest`` naming an
 incomplete checkpoint, or empty. Here ``latest`` is replaced atomically once every rank's files are
-written and flushed.
+written and flushed. A tag is written aside (``<tag>.saving``) and takes the tag's name only when it is
+complete, so saving a tag again (a "last" or "best" checkpoint) never leaves it half old, half new.
 """
 import contextlib
 import copy
+import ctypes
+import errno
 import os
+import shutil
 from typing import Any, Dict
 
 import torch
@@ -19,6 +23,7 @@ import torch
 from deepspeed_xla import xla_runtime
 
 LATEST = "latest"
+SAVING_SUFFIX = ".saving"
 
 
 def _map_tensors(obj: Any, convert) -> Any:
@@ -122,3 +127,48 @@ def write_latest(save_dir: str, tag: str) -> None:
             os.unlink(staging)
         raise
     _fsync(save_dir)
+
+
+def saving_tag(tag: str) -> str:
+    """The folder a checkpoint under ``tag`` is written into until every rank's files are complete."""
+    return f"{tag}{SAVING_SUFFIX}"
+
+
+def discard_unfinished(save_dir: str, tag: str) -> None:
+    """Remove what an interrupted save under ``tag`` left, before the tag is written again."""
+    shutil.rmtree(os.path.join(save_dir, saving_tag(tag)), ignore_errors=True)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two folders in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the system cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), a, None, b)
+
+
+def promote(save_dir: str, tag: str) -> None:
+    """Give the complete checkpoint in ``saving_tag(tag)`` the name ``tag``.
+
+    A tag saved before is swapped with it in one step: a reader, or a crash, finds the old contents or
+    the new ones. Where folders cannot be swapped (not Linux, some network filesystems) the old one
+    is moved aside first, and for that moment the tag is missing (docs/checkpoints.md).
+    """
+    final, incoming = os.path.join(save_dir, tag), os.path.join(save_dir, saving_tag(tag))
+    _fsync(incoming)
+    if not os.path.exists(final):
+        os.rename(incoming, final)
+    elif not _exchange(incoming, final):
+        aside = f"{final}.replaced"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+        os.rename(incoming, final)
+        incoming = aside
+    shutil.rmtree(incoming, ignore_errors=True)  # the old contents, after a swap
+    _fsync(os.path.dirname(final))

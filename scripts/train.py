@@ -225,6 +225,7 @@ def main(argv=None) -> None:
     parser.add_argument("--plot", default=None, metavar="PNG", help="draw rank 0's loss curve into this PNG file")
     parser.add_argument("--save-dir", default=None, help="checkpoint directory for --save-at")
     parser.add_argument("--save-at", type=int, nargs="*", default=[], help="save a checkpoint after these steps")
+    parser.add_argument("--save-tag", default=None, help="save every checkpoint under this tag (default: global_stepN)")
     parser.add_argument("--load-dir", default=None, help="resume from the latest checkpoint in this directory")
     parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS,
                         help="steps before the XLA counters (and deepspeed_xla.bench's timings) start")
@@ -286,7 +287,7 @@ def main(argv=None) -> None:
             print(f"step {step:4d}  loss {step_loss:.4f}  tokens/s {tokens_per_s:,.0f}  "
                   f"device {get_accelerator().current_device_name()}", flush=True)
         if step + 1 in args.save_at:
-            engine.save_checkpoint(args.save_dir, client_state={"step": step + 1})
+            engine.save_checkpoint(args.save_dir, tag=args.save_tag, client_state={"step": step + 1})
 
     if args.steps - first_step > args.warmup_steps:
         counters["end"] = graph_counters()

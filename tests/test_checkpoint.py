@@ -29,3 +29,37 @@ def test_failed_write_keeps_the_old_latest_and_leaves_no_temporary_file(tmp_path
         checkpoint.write_latest(str(tmp_path), "step6")
     assert (tmp_path / "latest").read_text() == "step3"
     assert os.listdir(tmp_path) == ["latest"]
+
+
+def _saved(save_dir, tag: str, contents: str) -> None:
+    folder = save_dir / checkpoint.saving_tag(tag)
+    folder.mkdir()
+    (folder / "model.pt").write_text(contents)
+
+
+@pytest.mark.parametrize("swap", ["exchange", "move_aside"])
+def test_promote_names_the_complete_checkpoint_and_leaves_nothing_else(tmp_path, monkeypatch, swap):
+    if swap == "move_aside":  # not Linux, or a filesystem without RENAME_EXCHANGE
+        monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)
+    _saved(tmp_path, "last", "step 1")
+    checkpoint.promote(str(tmp_path), "last")
+    _saved(tmp_path, "last", "step 2")
+    (tmp_path / "last" / "stale_from_step_1.pt").write_text("only in the old contents")
+    checkpoint.promote(str(tmp_path), "last")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
+    assert sorted(p.name for p in (tmp_path / "last").iterdir()) == ["model.pt"]
+    assert (tmp_path / "last" / "model.pt").read_text() == "step 2"
+
+
+def test_exchange_swaps_two_folders_in_one_step(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "from").write_text(name)
+    assert checkpoint._exchange(str(tmp_path / "a"), str(tmp_path / "b"))  # Linux: the path CI takes
+    assert [(tmp_path / name / "from").read_text() for name in ("a", "b")] == ["b", "a"]
+
+
+def test_an_unfinished_save_is_discarded_before_the_tag_is_written_again(tmp_path):
+    _saved(tmp_path, "last", "cut short")
+    checkpoint.discard_unfinished(str(tmp_path), "last")
+    assert not list(tmp_path.iterdir())

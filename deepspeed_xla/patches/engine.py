@@ -190,12 +190,14 @@ def get_shared_params(original):
 
 
 def save_checkpoint(original):
-    """Write ``latest`` only once every rank's files are on disk, and atomically.
+    """Write the tag aside and name it, then ``latest``, only once every rank's files are on disk.
 
     Upstream rank 0 writes ``latest`` before the final barrier, so it can name a checkpoint another
-    rank is still writing (or dies writing). The upstream save ends with a barrier that every rank
-    reaches after its files; ``latest`` goes after it, then a barrier as upstream. Decoupled
-    (asynchronous) checkpoint engines write ``latest`` when they commit and are left as they are.
+    rank is still writing (or dies writing), and a tag saved again is overwritten file by file. Here
+    the upstream save writes ``<tag>.saving`` and ends with a barrier that every rank reaches after its
+    files; then the rank that made ``save_dir`` (upstream's choice: rank 0, or each node's with node-local
+    storage) gives it the tag's name, rank 0 writes ``latest``, and a barrier ends the save as upstream.
+    Decoupled (asynchronous) checkpoint engines write ``latest`` when they commit and are left as they are.
     """
 
     @functools.wraps(original)
@@ -204,14 +206,18 @@ def save_checkpoint(original):
         client_state = {} if client_state is None else client_state
         if self.checkpoint_engine.is_decoupled():
             return original(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        from deepspeed import comm as dist
+        from deepspeed_xla import checkpoint
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        result = original(self, save_dir, tag, client_state, False, exclude_frozen_parameters)
-        if save_latest:
-            from deepspeed import comm as dist
-            from deepspeed_xla.checkpoint import write_latest
-            if self.global_rank == 0:
-                write_latest(save_dir, tag)
-            dist.barrier()
+        writes_save_dir = (self.local_rank if self.use_node_local_storage() else self.global_rank) == 0
+        if writes_save_dir:  # before upstream's first barrier: no rank writes yet
+            checkpoint.discard_unfinished(save_dir, tag)
+        result = original(self, save_dir, checkpoint.saving_tag(tag), client_state, False, exclude_frozen_parameters)
+        if writes_save_dir:
+            checkpoint.promote(save_dir, tag)
+        if save_latest and self.global_rank == 0:
+            checkpoint.write_latest(save_dir, tag)
+        dist.barrier()
         return result
 
     return save_checkpoint

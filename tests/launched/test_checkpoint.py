@@ -8,6 +8,7 @@ same XLA graphs on the same values).
 """
 import json
 import shutil
+import subprocess
 import sys
 from collections import OrderedDict, namedtuple
 from pathlib import Path
@@ -17,8 +18,8 @@ import torch
 
 from deepspeed_xla import checkpoint, xla_runtime
 from tests.conftest import FIXTURES, clean_env
-from tests.multiproc import (TWO_RANK_RUN, assert_trains_like, ds_config, plan, ranks, run_command, training,
-                             training_command)
+from tests.multiproc import (TWO_RANK_RUN, assert_trains_like, ds_config, kill_group, plan, ranks, run_command,
+                             start_command, training, training_command)
 
 PIPELINE = ("--pipeline-stages", "2")
 RESUMED_AT = TWO_RANK_RUN["save_at"][0]
@@ -51,13 +52,26 @@ def tensors(obj):
         for value in obj:
             yield from tensors(value)
 
+def steps(obj):
+    # every step count in a file: the engine's, the client state's, the optimizer's
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key in ("global_steps", "step") and (isinstance(value, int) or torch.is_tensor(value)):
+                yield int(value)
+            else:
+                yield from steps(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from steps(value)
+
 folder, zero_tag = Path(sys.argv[1]), sys.argv[2]
-devices = {}
+devices, step_counts = {}, {}
 for path in sorted(folder.rglob("*.pt")):
     stored = torch.load(path, weights_only=False)
     torch.load(path, map_location="cpu", weights_only=False)
     devices[str(path.relative_to(folder))] = sorted({t.device.type for t in tensors(stored)})
-result = {"devices": devices, "torch_xla_loaded": "torch_xla" in sys.modules}
+    step_counts[str(path.relative_to(folder))] = sorted(set(steps(stored)))
+result = {"devices": devices, "steps": step_counts, "torch_xla_loaded": "torch_xla" in sys.modules}
 if zero_tag:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     weights = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=zero_tag)
@@ -174,19 +188,44 @@ def test_universal_checkpoint_resumes_on_one_rank(runs, trainings, tmp_path):
     assert_trains_like(xla, cpu, "float32")
 
 
-def test_rank_killed_while_saving_leaves_latest_on_the_previous_checkpoint(tmp_path):
-    """Rank 1 dies in its last file of the step-2 checkpoint, after rank 0 wrote all of its own."""
-    save_dir = tmp_path / "checkpoints"
-    env = {"PYTHONPATH": FIXTURES / "fault_injection", "DSX_TEST_DIE_SAVING": "1:global_step2/zero_pp_rank_1"}
-    cmd, env, _ = training_command(tmp_path, "xla", ds_config(2), num_procs=2, steps=3, extra_env=env,
-                                   train_args=("--save-dir", str(save_dir), "--save-at", "1", "2"))
-    proc = run_command(cmd, 600, cwd=tmp_path, env=env)
-    output = proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "DYING while saving" in proc.stdout, output
-    assert proc.returncode != 0, output
-    assert (save_dir / "latest").read_text() == "global_step1", output
+#: --save-tag of the killed saves -> the tag ``latest`` must name afterwards, with the step-1 checkpoint in it.
+KILLED_SAVES = {"": "global_step1", "last": "last"}
+
+
+@pytest.fixture(scope="module")
+def killed_saves(tmp_path_factory):
+    """Both jobs at once: rank 1 dies in its file of the second save (step 2), after rank 0 wrote all of its own;
+    once under DeepSpeed's tags, once under one tag saved every time (a "last" checkpoint)."""
+    jobs = {}
+    for tag in KILLED_SAVES:
+        workdir = tmp_path_factory.mktemp(f"killed-{tag or 'default'}")
+        env = {"PYTHONPATH": FIXTURES / "fault_injection", "DSX_TEST_DIE_SAVING": "1:zero_pp_rank_1",
+               "DSX_TEST_DIE_AT": 2}
+        cmd, env, _ = training_command(workdir, "xla", ds_config(2), num_procs=2, steps=3, extra_env=env,
+                                       train_args=("--save-dir", str(workdir / "checkpoints"), "--save-at", "1", "2",
+                                                   *(("--save-tag", tag) if tag else ())))
+        jobs[tag] = (workdir / "checkpoints", start_command(cmd, cwd=workdir, env=env, text=True,
+                                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    results = {}
+    try:
+        for tag, (save_dir, proc) in jobs.items():
+            output, _ = proc.communicate(timeout=600)
+            results[tag] = (save_dir, proc.returncode, output)
+    finally:
+        for _, proc in jobs.values():
+            kill_group(proc)
+    return results
+
+
+@pytest.mark.parametrize("tag", KILLED_SAVES, ids=["global_stepN", "one_tag"])
+def test_rank_killed_while_saving_leaves_the_previous_checkpoint(killed_saves, tag):
+    save_dir, code, output = killed_saves[tag]
+    assert "DYING while saving" in output and code != 0, output[-6000:]
+    kept = KILLED_SAVES[tag]
+    assert (save_dir / "latest").read_text() == kept, output[-6000:]
     assert sorted(p.name for p in save_dir.iterdir() if p.is_file()) == ["latest", "zero_to_fp32.py",
                                                                           "zero_to_torch.py"]
-    complete = load_without_torch_xla(save_dir / "global_step1")
+    complete = load_without_torch_xla(save_dir / kept)
     assert sorted(complete["devices"]) == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                            "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert all(max(counts) == 1 for counts in complete["steps"].values()), complete["steps"]  # all of step 1
