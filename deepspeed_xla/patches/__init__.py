@@ -79,6 +79,8 @@ PATCHES = [
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_get_shared_params", engine.get_shared_params,
           "7ca3cfe76bcd4439"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "load_checkpoint", engine.sync_after, "5728d3dfa42a3d6c"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_load_zero_checkpoint", engine.zero_checkpoint_world_size,
+          "0084918407ff3784"),
     Patch("deepspeed.runtime.config", "DeepSpeedConfig", "_configure_train_batch_size",
           config.configure_train_batch_size, "5d0a45deff9d4487"),
     Patch("deepspeed.runtime.config", "", "get_timers_config", config.timers_without_device_wait,

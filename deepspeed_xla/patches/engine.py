@@ -221,3 +221,32 @@ def save_checkpoint(original):
         return result
 
     return save_checkpoint
+
+
+CONVERSION = ("python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state --input_folder {folder} "
+              "--output_folder {folder}_universal")
+
+
+def zero_checkpoint_world_size(original):
+    """Name the way out when a ZeRO checkpoint is loaded on another data-parallel size.
+
+    Upstream refuses it ("Automatic adjustment ... is not currently supported") without saying that
+    DeepSpeed's universal checkpoint loads at any size: a pod job is often resumed on another number of
+    chips. Same condition as upstream's, checked first so the error can name the command.
+    """
+
+    @functools.wraps(original)
+    def load(self, load_dir, tag, load_optimizer_states=True):
+        saved, now = self.loaded_checkpoint_dp_world_size, self.seq_dp_world_size
+        if load_optimizer_states and not self.load_universal_checkpoint() and saved != now:
+            import os
+            from deepspeed.runtime.zero.utils import ZeRORuntimeException
+            folder = os.path.join(load_dir, str(tag))
+            raise ZeRORuntimeException(
+                f"deepspeed_xla: this ZeRO checkpoint was saved by {saved} data-parallel ranks and is loaded by {now}. "
+                f"Convert it to a universal checkpoint, which loads at any size: {CONVERSION.format(folder=folder)}; "
+                f"then resume from {load_dir} with \"checkpoint\": {{\"load_universal\": true}} in the config "
+                "(docs/checkpoints.md).")
+        return original(self, load_dir, tag, load_optimizer_states)
+
+    return load

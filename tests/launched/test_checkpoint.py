@@ -134,7 +134,14 @@ def resumed(name: str) -> dict:
                     load_from=uninterrupted(name))
 
 
-plan("resume", *map(resumed, CONFIGS))  # one job resumes every configuration, after the jobs that saved them
+def resumed_across(accelerator: str, saved_by: str) -> dict:
+    """``accelerator`` resumes the 2-rank ZeRO-2 checkpoint that ``saved_by`` wrote at step ``RESUMED_AT``."""
+    config = CONFIGS["zero2"][0]
+    return training(accelerator, config, num_procs=2, steps=20, load_from=training(saved_by, config, **TWO_RANK_RUN))
+
+
+# One job per accelerator resumes every configuration, after the jobs that saved them.
+plan("resume", *map(resumed, CONFIGS), resumed_across("xla", "cpu"), resumed_across("cpu", "xla"))
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +175,23 @@ def test_resume_repeats_the_uninterrupted_run(runs, name):
         assert loaded["fp32"] == resumed["params"]
 
 
+def after(run: dict, step: int) -> dict:
+    """``run`` as a resume at ``step`` sees it: the losses from that step on, the same final weights."""
+    return {**run, "losses": run["losses"][step:], "first_step": step}
+
+
+def test_checkpoints_travel_between_accelerators(trainings):
+    """A ZeRO-2 checkpoint written by DeepSpeed's CPU accelerator resumes on XLA and trains on as the CPU run did,
+    and the reverse."""
+    config = CONFIGS["zero2"][0]
+    xla_full, cpu_full = trainings.against_cpu(config, **TWO_RANK_RUN)
+    xla_from_cpu = trainings.result(resumed_across("xla", "cpu"))
+    cpu_from_xla = trainings.result(resumed_across("cpu", "xla"))
+    assert xla_from_cpu["first_step"] == cpu_from_xla["first_step"] == RESUMED_AT
+    assert_trains_like(xla_from_cpu, after(cpu_full, RESUMED_AT), "float32")
+    assert_trains_like(after(xla_full, RESUMED_AT), cpu_from_xla, "float32")
+
+
 def test_universal_checkpoint_resumes_on_one_rank(runs, trainings, tmp_path):
     """DeepSpeed's ``ds_to_universal`` (run without torch_xla) turns the 2-rank ZeRO-2 checkpoint into one that
     1 rank loads: its first loss is rank 0's loss of the 2-rank run at that step (same weights, same batch), and
@@ -186,6 +210,20 @@ def test_universal_checkpoint_resumes_on_one_rank(runs, trainings, tmp_path):
     assert xla["first_step"] == RESUMED_AT and xla["world_size"] == 1 and len(xla["losses"]) == 6
     assert xla["losses"][0] == run["full"]["losses"][RESUMED_AT]
     assert_trains_like(xla, cpu, "float32")
+
+
+def test_resume_on_another_world_size_names_both_sizes_and_the_conversion(runs, tmp_path):
+    """Without the conversion, the 2-rank ZeRO-2 checkpoint loaded by 1 rank stops at ``load_checkpoint``."""
+    folder = runs("zero2")["first"]
+    cmd, env, _ = training_command(tmp_path, "xla", CONFIGS["zero2"][0], num_procs=1, steps=RESUMED_AT + 2,
+                                   train_args=("--load-dir", str(folder)))
+    proc = run_command(cmd, 600, cwd=tmp_path, env=env)
+    output = proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert proc.returncode != 0, output
+    tag = (folder / "latest").read_text()
+    assert "saved by 2 data-parallel ranks and is loaded by 1" in output, output
+    assert f"ds_to_universal --inject_missing_state --input_folder {folder / tag}" in output, output
+    assert '"load_universal": true' in output, output
 
 
 #: --save-tag of the killed saves -> the tag ``latest`` must name afterwards, with the step-1 checkpoint in it.
