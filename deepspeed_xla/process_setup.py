@@ -3,14 +3,26 @@
 ``setup_process()`` writes this process's PJRT topology (from ``launch_env.process_layout``) before the
 runtime starts, so that plain subprocess launching (DeepSpeed's launchers, torchrun, MPI, Slurm) gives
 one process per device. The launcher's own check of its host (``check_host_launch``) lives here too:
-it asks the same question without starting anything.
+it asks the same question without starting anything. ``DS_XLA_COMPILATION_CACHE`` gives each worker
+torch_xla's persistent compilation cache (``compilation_cache_dir``).
 """
 import os
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from deepspeed_xla import xla_runtime
 from deepspeed_xla.devices import DeviceType, current_device_type
 from deepspeed_xla.launch_env import ProcessLayout, process_layout
+
+
+COMPILATION_CACHE_ENV = "DS_XLA_COMPILATION_CACHE"
+
+
+def compilation_cache_dir(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """This process's folder of torch_xla's persistent compilation cache, when ``DS_XLA_COMPILATION_CACHE`` names
+    a root: ``<root>/rank<RANK>``. One folder per rank: the processes of a host never write one entry at once, and
+    a relaunch of the same job (after a preemption) finds what each of its ranks compiled."""
+    root = env.get(COMPILATION_CACHE_ENV)
+    return os.path.join(root, f"rank{env.get('RANK', '0')}") if root else None
 
 
 def process_count_problem(device_type: DeviceType, processes: int) -> Optional[str]:
@@ -56,6 +68,9 @@ def setup_process(device_type: Optional[DeviceType] = None) -> ProcessLayout:
         raise RuntimeError(problem)
     device_type.configure_process(layout.local_rank, layout.local_size, layout.node_rank, os.environ)
     xla_runtime.torch_xla()
+    cache = compilation_cache_dir()
+    if cache:
+        xla_runtime.initialize_cache(cache)
     device_type.prepare_runtime()
     if layout.local_size > 1 and device_type.has_xla_collectives:
         xla_runtime.initialize_multiprocess(layout.local_rank, layout.local_size)

@@ -72,6 +72,11 @@ def xr():
     return torch_xla().runtime
 
 
+def initialize_cache(path: str) -> None:
+    """torch_xla's persistent compilation cache in ``path``; before this process's first computation."""
+    xr().initialize_cache(path, readonly=False)
+
+
 def is_runtime_initialized() -> bool:
     """Whether PJRT has started in this process (never starts it)."""
     import sys
