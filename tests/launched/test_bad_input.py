@@ -9,8 +9,10 @@ import base64
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -162,6 +164,24 @@ def test_num_gpus_above_device_count_stops_the_launcher(tmp_path):
                         "get_accelerator().set_device(0)\n", DS_ACCELERATOR="xla", LOCAL_RANK=0, LOCAL_SIZE=3,
                         CPU_NUM_DEVICES=2)
     assert error[error.index(TOO_MANY):] in last_error(worker)
+
+
+def test_master_port_in_use_stops_the_job_naming_the_port(tmp_path):
+    """Another program listens on the master port: rank 0 cannot start the rendezvous store, and the job ends at once
+    (upstream's error, which names the port) instead of waiting for the store."""
+    (tmp_path / "train.py").write_text("import deepspeed\ndeepspeed.init_distributed()\nprint('worker ran')\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        proc = _run([str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port",
+                     str(port), "train.py"], tmp_path, DS_ACCELERATOR="xla", HOME=tmp_path)
+        took = time.monotonic() - started
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "worker ran" not in output, output[-4000:]
+    assert f"port: {port}" in output and "address already in use" in output, output[-4000:]
+    assert took < 120, f"the job took {took:.0f} s to stop"
 
 
 def test_hostfile_slots_above_device_count_stop_that_hosts_launcher(tmp_path):
