@@ -15,8 +15,8 @@ from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 
 from deepspeed_xla import comm, env_vars, xla_runtime
 from deepspeed_xla.devices import DeviceType, current_device_type
-from deepspeed_xla.launch_env import check_launch_env, fill_single_process_env, is_launcher_process
-from deepspeed_xla.process_setup import check_host_launch, setup_process
+from deepspeed_xla.launch_env import check_launch_env, fill_single_process_env, is_deepspeed_runner, is_launcher_process
+from deepspeed_xla.process_setup import check_host_launch, process_count_problem, setup_process
 
 _DEVICE_INDEX = 0
 
@@ -100,9 +100,13 @@ class XLA_Accelerator(DeepSpeedAccelerator):
     def device_count(self):
         """Devices on this host; in a launched worker the processes started here (``LOCAL_SIZE``).
 
-        Never starts PJRT: the ``deepspeed`` runner calls this to decide how many processes to start.
+        Never starts PJRT: the ``deepspeed`` runner calls this to decide how many processes to start, and
+        stops on none with "no GPU resources available"; here the runner says what is missing instead.
         """
-        return env_vars.positive_int(os.environ, "LOCAL_SIZE") or self.device_type.local_device_count()
+        count = env_vars.positive_int(os.environ, "LOCAL_SIZE") or self.device_type.local_device_count()
+        if count == 0 and is_deepspeed_runner():
+            raise RuntimeError(f"deepspeed_xla: {process_count_problem(self.device_type, 1)}")
+        return count
 
     def synchronize(self, device_index=None):
         if xla_runtime.is_runtime_initialized():

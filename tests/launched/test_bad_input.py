@@ -166,6 +166,18 @@ def test_num_gpus_above_device_count_stops_the_launcher(tmp_path):
     assert error[error.index(TOO_MANY):] in last_error(worker)
 
 
+def test_tpu_without_chips_stops_the_runner_naming_the_fix(tmp_path):
+    """``PJRT_DEVICE=TPU`` on a host without TPU chips (this one, and every CI machine): the ``deepspeed`` runner says
+    what is missing instead of DeepSpeed's "Unable to proceed, no GPU resources available"."""
+    (tmp_path / "train.py").write_text("print('worker ran')\n")
+    proc = _run([str(VENV_BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(free_port()), "train.py"],
+                tmp_path, DS_ACCELERATOR="xla", PJRT_DEVICE="TPU", HOME=tmp_path)
+    error = last_error(proc)
+    assert "worker ran" not in proc.stdout and "no GPU resources" not in proc.stderr, proc.stderr[-3000:]
+    assert error.startswith("RuntimeError: deepspeed_xla: PJRT_DEVICE=TPU but this host has no TPU chips"), error
+    assert "set PJRT_DEVICE=CPU" in error, error
+
+
 def test_master_port_in_use_stops_the_job_naming_the_port(tmp_path):
     """Another program listens on the master port: rank 0 cannot start the rendezvous store, and the job ends at once
     (upstream's error, which names the port) instead of waiting for the store."""
