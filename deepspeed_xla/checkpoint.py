@@ -15,6 +15,7 @@ import copy
 import ctypes
 import errno
 import os
+import pickle
 import shutil
 from typing import Any, Dict
 
@@ -104,8 +105,35 @@ class CpuCheckpointEngine:
             _fsync(path)
         return result
 
+    def load(self, path: str, map_location=None):
+        """The wrapped engine's load; a missing or cut-short file names itself and the other checkpoints.
+
+        torch's own error for a truncated file ("failed finding central directory") names no file."""
+        try:
+            return self._engine.load(path, map_location=map_location)
+        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as error:
+            tag_dir = os.path.dirname(path)
+            raise RuntimeError(f"deepspeed_xla: cannot load the checkpoint file {path} ({type(error).__name__}: "
+                               f"{error}): it is missing or cut short (a save that did not finish, an incomplete "
+                               f"copy). {_other_checkpoints(tag_dir)}") from error
+
     def preserves_storage_sharing(self) -> bool:
         return False
+
+
+def _other_checkpoints(tag_dir: str) -> str:
+    """The other complete-looking tags beside ``tag_dir``, newest first, as advice."""
+    save_dir, tag = os.path.split(os.path.normpath(tag_dir))
+    try:
+        others = [entry for entry in os.scandir(save_dir) if entry.is_dir() and entry.name != tag
+                  and not entry.name.endswith((SAVING_SUFFIX, ".replaced"))]
+    except OSError:
+        return ""
+    if not others:
+        return f"{save_dir} holds no other checkpoint."
+    names = [entry.name for entry in sorted(others, key=lambda entry: entry.stat().st_mtime, reverse=True)]
+    return (f"Other checkpoints in {save_dir}, newest first: {', '.join(names)}; load one with "
+            f"load_checkpoint({save_dir!r}, tag={names[0]!r}).")
 
 
 def write_latest(save_dir: str, tag: str) -> None:

@@ -63,3 +63,26 @@ def test_an_unfinished_save_is_discarded_before_the_tag_is_written_again(tmp_pat
     _saved(tmp_path, "last", "cut short")
     checkpoint.discard_unfinished(str(tmp_path), "last")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_cut_short_shard_names_itself_and_the_other_checkpoints(tmp_path):
+    """torch's error for a truncated file names no file; DeepSpeed's load passes it on as it is."""
+    import torch
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    engine = checkpoint.CpuCheckpointEngine(TorchCheckpointEngine())
+    for tag in ("global_step1", "global_step2"):
+        (tmp_path / tag).mkdir()
+        engine.save({"w": torch.ones(64)}, str(tmp_path / tag / "shard.pt"))
+    os.utime(tmp_path / "global_step1", (1, 1))  # the older one
+    assert torch.equal(engine.load(str(tmp_path / "global_step1" / "shard.pt"), map_location="cpu")["w"],
+                       torch.ones(64))
+    shard = tmp_path / "global_step2" / "shard.pt"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(RuntimeError) as cut:
+        engine.load(str(shard), map_location="cpu")
+    message = str(cut.value)
+    assert f"cannot load the checkpoint file {shard}" in message and "missing or cut short" in message, message
+    assert f"load_checkpoint({str(tmp_path)!r}, tag='global_step1')" in message, message
+    missing = tmp_path / "global_step1" / "gone.pt"
+    with pytest.raises(RuntimeError, match=r"FileNotFoundError.*newest first: global_step2;"):
+        engine.load(str(missing))
