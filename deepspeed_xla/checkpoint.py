@@ -25,6 +25,7 @@ from deepspeed_xla import xla_runtime
 
 LATEST = "latest"
 SAVING_SUFFIX = ".saving"
+REPLACED_SUFFIX = ".replaced"  # an old tag moved aside where folders cannot be swapped
 
 
 def _map_tensors(obj: Any, convert) -> Any:
@@ -126,7 +127,7 @@ def _other_checkpoints(tag_dir: str) -> str:
     save_dir, tag = os.path.split(os.path.normpath(tag_dir))
     try:
         others = [entry for entry in os.scandir(save_dir) if entry.is_dir() and entry.name != tag
-                  and not entry.name.endswith((SAVING_SUFFIX, ".replaced"))]
+                  and not entry.name.endswith((SAVING_SUFFIX, REPLACED_SUFFIX))]
     except OSError:
         return ""
     if not others:
@@ -193,7 +194,7 @@ def promote(save_dir: str, tag: str) -> None:
     if not os.path.exists(final):
         os.rename(incoming, final)
     elif not _exchange(incoming, final):
-        aside = f"{final}.replaced"
+        aside = f"{final}{REPLACED_SUFFIX}"
         shutil.rmtree(aside, ignore_errors=True)
         os.rename(final, aside)
         os.rename(incoming, final)

@@ -8,6 +8,7 @@ every rank is done. These wrappers fit each of those to XLA.
 """
 import contextlib
 import functools
+import os
 
 
 @contextlib.contextmanager
@@ -239,7 +240,6 @@ def zero_checkpoint_world_size(original):
     def load(self, load_dir, tag, load_optimizer_states=True):
         saved, now = self.loaded_checkpoint_dp_world_size, self.seq_dp_world_size
         if load_optimizer_states and not self.load_universal_checkpoint() and saved != now:
-            import os
             from deepspeed.runtime.zero.utils import ZeRORuntimeException
             folder = os.path.join(load_dir, str(tag))
             raise ZeRORuntimeException(

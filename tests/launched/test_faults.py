@@ -58,13 +58,19 @@ FAULTED = {
 }
 
 
-def collective_loop() -> None:
-    """A rank: all-reduce an XLA tensor in a loop; after a few, one rank fails as ``DSX_TEST_FAULT`` says."""
+def _join() -> tuple:
+    """This rank's XLA device name and rank, after ``deepspeed.init_distributed``."""
     import deepspeed
     import torch.distributed as dist
     device = deepspeed.get_accelerator().current_device_name()  # XLA starts before the timeout applies
     deepspeed.init_distributed()
-    rank = dist.get_rank()
+    return device, dist.get_rank()
+
+
+def collective_loop() -> None:
+    """A rank: all-reduce an XLA tensor in a loop; after a few, one rank fails as ``DSX_TEST_FAULT`` says."""
+    import torch.distributed as dist
+    device, rank = _join()
     fault, faulting = os.environ[FAULT_ENV].split(":")
     for step in range(100000):
         dist.all_reduce(torch.ones(4, device=device))
@@ -79,13 +85,11 @@ def collective_loop() -> None:
 
 def last_rank_saves_alone() -> None:
     """Both ranks train, then rank 1 ends with ``os._exit(0)`` while rank 0 is still writing (no collective)."""
-    import deepspeed
     import torch.distributed as dist
-    device = deepspeed.get_accelerator().current_device_name()
-    deepspeed.init_distributed()
+    device, rank = _join()
     for _ in range(4):
         dist.all_reduce(torch.ones(4, device=device))
-    if dist.get_rank() == 1:
+    if rank == 1:
         os._exit(0)
     time.sleep(3)  # rank 0's own checkpoint shard: the watchdog sees rank 1 gone meanwhile
     print("RANK 0 SAVED", flush=True)
@@ -143,7 +147,8 @@ def test_survivor_exits_naming_the_failed_rank(faulted_jobs, fault, rank):
     code, delay, output = faulted_jobs[fault, rank]
     survivor = 1 - rank
     assert code not in (0, None), f"rank {survivor} did not fail ({code}):\n{output[-6000:]}"
-    assert delay is not None and delay < TIMEOUT + 4, f"rank {survivor} ended {delay} s after the fault:\n{output[-6000:]}"
+    assert delay is not None and delay < TIMEOUT + 4, (
+        f"rank {survivor} ended {delay} s after the fault:\n{output[-6000:]}")
     assert f"[deepspeed_xla] rank {survivor} stops: {FAULTED[fault, rank]}" in output, output[-6000:]
 
 
