@@ -21,7 +21,8 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.update(FAST_COMPILE)
 
 REPO = Path(__file__).resolve().parents[1]
-#: Folders of ``sitecustomize.py`` files that a launched run puts on its PYTHONPATH to watch or break itself.
+#: Folders of ``sitecustomize.py`` files that a launched run puts on its PYTHONPATH to watch or break itself
+#: (``cpuinfo_cache`` is on every ``clean_env``'s, unless a test names another).
 FIXTURES = REPO / "tests" / "fixtures"
 VENV_BIN = Path(sys.executable).parent
 
@@ -49,10 +50,13 @@ if _PIP_CONFIG and "PIP_CONFIG_FILE" not in os.environ:
 
 
 def clean_env(**overrides) -> dict:
-    """A child environment with no launcher/XLA state, PJRT CPU, the venv's tools first on PATH and a fresh,
-    empty HOME (``HOME=`` in ``overrides`` picks another)."""
+    """A child environment with no launcher/XLA state, PJRT CPU, the venv's tools first on PATH, a fresh, empty
+    HOME (``HOME=`` in ``overrides`` picks another) and the session's py-cpuinfo answer (``fixtures/cpuinfo_cache``;
+    a ``PYTHONPATH=`` override leaves it out)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB}
     env.update(_KEPT_FROM_HOME)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FIXTURES / "cpuinfo_cache"), env.get("PYTHONPATH")]))
+    env["DSX_TEST_CPUINFO"] = str(_HOMES / "cpuinfo.json")
     env["HOME"] = tempfile.mkdtemp(dir=_HOMES)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PJRT_DEVICE"] = "CPU"

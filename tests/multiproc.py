@@ -147,6 +147,16 @@ def train_arguments(workdir: Path, label: str, config: dict, steps: int, train_a
     return ["--deepspeed_config", str(config_path), "--steps", str(steps), "--losses-out", str(out), *train_args], out
 
 
+def accelerator_env(accelerator: Optional[str], num_procs: int) -> dict:
+    """The variables a launched run on ``accelerator`` gets: DS_ACCELERATOR and, for DeepSpeed's CPU accelerator, the
+    "device" count it reads (LOCAL_SIZE) and one torch thread per rank, what DeepSpeed's ``--bind_cores_to_rank``
+    sets on a 2-core machine. With a thread per core in every rank, the ranks' OpenMP threads spin against each other
+    and the XLA side's processes: a CPU-accelerator step of a 2-rank run takes 10x longer."""
+    if accelerator != "cpu":
+        return {"DS_ACCELERATOR": accelerator}
+    return {"DS_ACCELERATOR": accelerator, "LOCAL_SIZE": num_procs, "OMP_NUM_THREADS": 1}
+
+
 def launch_command(script: Sequence[str], accelerator: Optional[str], num_procs: int = 1,
                    extra_env: Optional[dict] = None, launcher: str = "deepspeed") -> Tuple[List[str], dict]:
     """The command that starts ``script`` (a Python file and its arguments) on ``num_procs`` ranks, and its
@@ -156,9 +166,7 @@ def launch_command(script: Sequence[str], accelerator: Optional[str], num_procs:
     launcher: on XLA the way a user without a launcher does; DeepSpeed's CPU accelerator, which looks for MPI
     without them, gets the variables a launcher sets for one rank.
     """
-    env, port = clean_env(DS_ACCELERATOR=accelerator, **(extra_env or {})), str(free_port())
-    if accelerator == "cpu":
-        env["LOCAL_SIZE"] = str(num_procs)  # DeepSpeed's CPU accelerator counts "devices" from it
+    env, port = clean_env(**{**accelerator_env(accelerator, num_procs), **(extra_env or {})}), str(free_port())
     if launcher == "python":
         assert num_procs == 1, "launcher='python' starts one process"
         if accelerator == "cpu":

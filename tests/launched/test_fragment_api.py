@@ -18,7 +18,7 @@ from typing import Callable, Dict, Optional
 import pytest
 import torch
 
-from tests.multiproc import free_port, remove_cpu_comm_buffers, run_ranks
+from tests.multiproc import accelerator_env, free_port, remove_cpu_comm_buffers, run_ranks
 
 WORLD = 2
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -178,7 +178,7 @@ def rank_main() -> None:
 
 def launch(accelerator: str, out: Path) -> list:
     port = free_port()
-    env = {"DS_ACCELERATOR": accelerator, "LOCAL_SIZE": WORLD, "MASTER_PORT": port, OUT_ENV: str(out)}
+    env = {**accelerator_env(accelerator, WORLD), "MASTER_PORT": port, OUT_ENV: str(out)}
     try:
         procs = run_ranks(f"{__name__}:rank_main", WORLD, env=env, timeout=600)
     finally:
