@@ -12,7 +12,8 @@ stops only the ranks of its own host. So each rank runs a thread that, every ``i
 A rank that exits normally (``os._exit(0)`` included) marks itself done; rank 0, whose process hosts the
 store, exits last. A rank that ended is a failure only for a rank that waits for it in a collective: the
 waiting rank's gloo op fails when the ended process closes its connections, and rank 0, which stays until
-every rank is done, sees the ranks that have waited for several intervals (``waiting()``).
+every rank is done, sees the ranks that have waited for several intervals (``waiting()``). A rank that
+gets SIGTERM (preempted) tells the others before it ends (``_Sigterm``).
 
 The timeout is the process group's (DeepSpeed: ``init_distributed(timeout=...)``, default 10 min,
 ``DEEPSPEED_TIMEOUT`` in minutes); ``DS_XLA_COMM_TIMEOUT`` (seconds) overrides it.
@@ -21,6 +22,7 @@ import atexit
 import contextlib
 import functools
 import os
+import signal
 import socket
 import sys
 import threading
@@ -34,6 +36,7 @@ from deepspeed_xla import env_vars
 
 TIMEOUT_ENV = "DS_XLA_COMM_TIMEOUT"
 EXIT_CODE = 1
+TERMINATED_EXIT_CODE = 128 + signal.SIGTERM  # how a shell reports a process that SIGTERM stopped
 _PREFIX = "deepspeed_xla/watchdog/"
 _FAILED = "failed"
 _WAITS_BEFORE_FAILED = 3  # intervals a rank waits for one that ended before that is a failure: more than one
@@ -95,6 +98,7 @@ class Watchdog:
         self._waits = 0  # this rank's waits so far, to tell one long wait from two
         self._waiting_key: Optional[str] = None  # the wait published under waiting/<rank>, if any
         self.pid = os.getpid()  # a forked child (a DataLoader worker) is not this rank
+        self.sigterm: Optional[_Sigterm] = None  # when this rank names SIGTERM to its peers
         self._store.set(f"proc/{rank}", f"{pid_namespace()} {os.getpid()} {_process_started(os.getpid())}")
         self._thread = threading.Thread(target=self._run, name="deepspeed_xla-watchdog", daemon=True)
 
@@ -105,6 +109,8 @@ class Watchdog:
     # -- the thread
     def _run(self) -> None:
         while not self._stopping.wait(self.interval):
+            if self.sigterm is not None and self.sigterm.arrived():
+                self.terminated()
             try:
                 self._store.add(f"beat/{self.rank}", 1)
                 self._publish_waiting()
@@ -201,7 +207,7 @@ class Watchdog:
         if first.partition(" raised ")[2] != mine.partition(" raised ")[2]:
             sys.stderr.write(f"[deepspeed_xla] rank {self.rank} stops: {first}\n")
 
-    def stop_job(self, failure: str) -> NoReturn:
+    def stop_job(self, failure: str, code: int = EXIT_CODE) -> NoReturn:
         """Print the job's first failure and end this process (a collective may hold the main thread)."""
         try:
             failure = self.publish(failure)
@@ -210,7 +216,18 @@ class Watchdog:
             pass
         sys.stderr.write(f"[deepspeed_xla] rank {self.rank} stops: {failure}\n")
         sys.stderr.flush()
-        _real_exit(EXIT_CODE)
+        _real_exit(code)
+
+    def terminated(self) -> NoReturn:
+        """SIGTERM ends this rank as it would have, telling the peers why; unless it came because the job had
+        already failed (a launcher stops the other ranks of its host when one dies), which stays the cause."""
+        try:
+            failure = self.published_failure() or next(
+                filter(None, (self._local_peer_gone(rank) for rank in range(self.size) if rank != self.rank)), None)
+        except (RuntimeError, OSError):  # the store is gone
+            failure = None
+        self.stop_job(failure or f"rank {self.rank} got SIGTERM: preempted (a spot VM, a TPU maintenance event), or "
+                      "stopped by its scheduler or launcher", TERMINATED_EXIT_CODE)
 
     def find_failure(self) -> Optional[str]:
         """A failed rank, looked for until the timeout: local peers at once, the others by heartbeat."""
@@ -303,6 +320,78 @@ def start(store, rank: int, size: int, timeout: timedelta) -> None:
     sys.excepthook = excepthook
     atexit.register(_watchdog.finish)
     os._exit = _exit_telling_peers
+    _watchdog.sigterm = _Sigterm.catch(_watchdog)
+
+
+class _Sigterm:
+    """SIGTERM tells the peers why this rank stops (``catch``). Python runs a signal handler only in the main
+    thread, between bytecodes, which a collective can hold for minutes: the wakeup fd carries the signal to the
+    watchdog thread meanwhile (``arrived``)."""
+
+    def __init__(self, watchdog: Watchdog):
+        self.watchdog = watchdog
+        self.read, self.write = os.pipe()
+        for fd in (self.read, self.write):
+            os.set_blocking(fd, False)
+        self._paused = False
+
+    @classmethod
+    def catch(cls, watchdog: Watchdog) -> Optional["_Sigterm"]:
+        """Install, unless something else handles SIGTERM (a framework's handler, asyncio's wakeup fd) or this
+        is not the main thread (only it may set handlers)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+            return None
+        in_use = signal.set_wakeup_fd(-1)
+        if in_use != -1:
+            signal.set_wakeup_fd(in_use)
+            return None
+        sigterm = cls(watchdog)
+        sigterm.install()
+        os.register_at_fork(before=sigterm._before_fork, after_in_parent=sigterm._after_fork_in_parent,
+                            after_in_child=sigterm._after_fork_in_child)
+        return sigterm
+
+    def install(self) -> None:
+        signal.set_wakeup_fd(self.write, warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, self.handle)
+
+    def uninstall(self) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+
+    def handle(self, signum, frame) -> None:
+        if os.getpid() != self.watchdog.pid:  # a child forked off another thread, before it reset SIGTERM
+            self.uninstall()
+            os.kill(os.getpid(), signum)
+            return
+        self.watchdog.terminated()
+
+    def arrived(self) -> bool:
+        """Whether SIGTERM came while this handler is installed (the wakeup fd has every handled signal)."""
+        try:
+            received = os.read(self.read, 512)
+        except BlockingIOError:
+            return False
+        return signal.SIGTERM in received and signal.getsignal(signal.SIGTERM) == self.handle
+
+    # A forked child (a DataLoader worker) is not the rank: it starts with SIGTERM's default and no wakeup fd,
+    # since the fd it would inherit is the rank's. Forks off the main thread can only reset in the child.
+    def _before_fork(self) -> None:
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == self.handle:
+            self.uninstall()
+            self._paused = True
+
+    def _after_fork_in_parent(self) -> None:
+        if self._paused:
+            self._paused = False
+            self.install()
+
+    def _after_fork_in_child(self) -> None:
+        self._paused = False
+        if signal.getsignal(signal.SIGTERM) == self.handle:
+            self.uninstall()
 
 
 def _exit_telling_peers(code: int) -> NoReturn:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -16,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from deepspeed_xla.comm.watchdog import TIMEOUT_ENV, comm_timeout
+from deepspeed_xla.comm.watchdog import TERMINATED_EXIT_CODE, TIMEOUT_ENV, comm_timeout
 from tests.multiproc import ds_config, kill_group, start_command, start_ranks, training_command
 
 TIMEOUT = 6  # DS_XLA_COMM_TIMEOUT for the ranks without a launcher, seconds
@@ -38,6 +39,14 @@ def _end():
     raise _EndsHere
 
 
+def _sigterm_in_a_collective():
+    """SIGTERM arrives while this rank waits in a collective that its peer never joins: only the watchdog's
+    thread can act on it (Python runs the handler when the main thread runs Python again)."""
+    import torch.distributed as dist
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    dist.barrier()
+
+
 FAULTS = {
     "kill": lambda: os.kill(os.getpid(), signal.SIGKILL),  # killed, or out of host memory
     "stop": lambda: os.kill(os.getpid(), signal.SIGSTOP),  # alive but silent: a lost host
@@ -45,6 +54,8 @@ FAULTS = {
     "end": _end,
     "exit1": lambda: sys.exit(1),  # how frameworks end a failed run: no traceback, no excepthook
     "os_exit0": lambda: os._exit(0),
+    "sigterm": lambda: os.kill(os.getpid(), signal.SIGTERM),  # a preempted spot VM, a TPU maintenance event
+    "sigterm_in_collective": _sigterm_in_a_collective,
 }
 #: (fault, faulting rank) -> what the other rank says when it stops.
 FAULTED = {
@@ -55,6 +66,8 @@ FAULTED = {
     ("end", 0): "rank 0 ended while rank 1 waits in a collective",
     ("exit1", 1): "rank 1 ended while rank 0 waits in a collective",
     ("os_exit0", 1): "rank 1 ended while rank 0 waits in a collective",
+    ("sigterm", 1): "rank 1 got SIGTERM: preempted",
+    ("sigterm_in_collective", 1): "rank 1 got SIGTERM: preempted",
 }
 
 
@@ -95,6 +108,25 @@ def last_rank_saves_alone() -> None:
     print("RANK 0 SAVED", flush=True)
 
 
+def forked_child_gets_sigterm() -> None:
+    """Rank 1 forks a child, as a DataLoader worker is, and stops it with SIGTERM, as the DataLoader's shutdown
+    does; then both ranks go on past a watchdog interval."""
+    import torch.distributed as dist
+    device, rank = _join()
+    dist.all_reduce(torch.ones(4, device=device))
+    if rank == 1:
+        child = os.fork()
+        if child == 0:
+            time.sleep(60)
+            os._exit(0)
+        os.kill(child, signal.SIGTERM)
+        print(f"CHILD ENDED BY SIGNAL {os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])}", flush=True)
+    time.sleep(2)  # a stop the child published by mistake reaches both ranks meanwhile
+    for _ in range(3):
+        dist.all_reduce(torch.ones(4, device=device))
+    print(f"RANK {rank} DONE", flush=True)
+
+
 def test_comm_timeout_is_seconds_and_names_the_variable_when_wrong(monkeypatch):
     default = timedelta(minutes=10)
     monkeypatch.delenv(TIMEOUT_ENV, raising=False)
@@ -115,10 +147,22 @@ def _output(files) -> str:
     return "".join(line for line in (out.read() + err.read()).splitlines(keepends=True) if "frame #" not in line)
 
 
+def _run_two_ranks(function: str) -> tuple:
+    """Both ranks' exit codes and their output, ``function`` of this module run as 2 ranks without a launcher."""
+    procs, logs = start_ranks(f"{__name__}:{function}", 2, {"DS_ACCELERATOR": "xla", "DS_XLA_COMM_TIMEOUT": TIMEOUT})
+    try:
+        codes = [proc.wait(timeout=180) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    return codes, _output(logs[0]) + _output(logs[1])
+
+
 @pytest.fixture(scope="module")
 def faulted_jobs():
     """Every fault at once, one 2-rank job each: {(fault, rank): (the other rank's exit code, seconds from
-    this job's fault to that exit, output)}. Jobs are polled together, so each is timed from its own fault."""
+    this job's fault to that exit, output, the faulting rank's exit code)}. Jobs are polled together, so each is
+    timed from its own fault."""
     jobs = {key: start_ranks(f"{__name__}:collective_loop", 2, {"DS_ACCELERATOR": "xla", "DS_XLA_COMM_TIMEOUT": TIMEOUT,
                                                                  FAULT_ENV: f"{key[0]}:{key[1]}"})
             for key in FAULTED}
@@ -138,30 +182,32 @@ def faulted_jobs():
     for (fault, rank), (procs, logs) in jobs.items():
         faulted = [line for line in _output(logs[rank]).splitlines() if line.startswith("FAULT ")]
         delay = ended[fault, rank] - float(faulted[0].split()[1]) if faulted and (fault, rank) in ended else None
-        results[fault, rank] = (procs[1 - rank].returncode, delay, _output(logs[0]) + _output(logs[1]))
+        results[fault, rank] = (procs[1 - rank].returncode, delay, _output(logs[0]) + _output(logs[1]),
+                                procs[rank].returncode)
     return results
 
 
 @pytest.mark.parametrize("fault, rank", FAULTED, ids=[f"{fault}-rank{rank}" for fault, rank in FAULTED])
 def test_survivor_exits_naming_the_failed_rank(faulted_jobs, fault, rank):
-    code, delay, output = faulted_jobs[fault, rank]
+    code, delay, output, faulting_code = faulted_jobs[fault, rank]
     survivor = 1 - rank
     assert code not in (0, None), f"rank {survivor} did not fail ({code}):\n{output[-6000:]}"
     assert delay is not None and delay < TIMEOUT + 4, (
         f"rank {survivor} ended {delay} s after the fault:\n{output[-6000:]}")
     assert f"[deepspeed_xla] rank {survivor} stops: {FAULTED[fault, rank]}" in output, output[-6000:]
+    if fault.startswith("sigterm"):  # it ends as SIGTERM would have, at once, even from inside a collective
+        assert faulting_code == TERMINATED_EXIT_CODE, (faulting_code, output[-6000:])
+
+
+def test_a_forked_child_stopped_by_sigterm_is_not_the_rank():
+    codes, output = _run_two_ranks("forked_child_gets_sigterm")
+    assert codes == [0, 0] and "RANK 0 DONE" in output and "RANK 1 DONE" in output, f"{codes}\n{output[-6000:]}"
+    assert f"CHILD ENDED BY SIGNAL {-signal.SIGTERM}" in output, output[-6000:]
 
 
 def test_a_rank_that_ends_with_os_exit_lets_its_peer_finish_saving():
     """torch_xla scripts often end with ``os._exit(0)``: that is an end, not a crash, for a peer still writing."""
-    procs, logs = start_ranks(f"{__name__}:last_rank_saves_alone", 2,
-                              {"DS_ACCELERATOR": "xla", "DS_XLA_COMM_TIMEOUT": TIMEOUT})
-    try:
-        codes = [proc.wait(timeout=180) for proc in procs]
-    finally:
-        for proc in procs:
-            kill_group(proc)
-    output = _output(logs[0]) + _output(logs[1])
+    codes, output = _run_two_ranks("last_rank_saves_alone")
     assert codes == [0, 0] and "RANK 0 SAVED" in output, f"{codes}\n{output[-6000:]}"
 
 
