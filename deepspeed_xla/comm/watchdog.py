@@ -163,6 +163,13 @@ class Watchdog:
                     ranks[rank] = wait
         return ranks
 
+    def busy_ranks(self) -> list:
+        """The other ranks that are running and not waiting on their peers: what a wait that timed out waited
+        for, when none of them died."""
+        waiting = self._waiting_ranks()
+        return [rank for rank in range(self.size)
+                if rank != self.rank and rank not in waiting and not self._store.check([f"done/{rank}"])]
+
     def _next_running(self) -> Optional[int]:
         """The next rank after this one, in ring order, that has not finished."""
         for offset in range(1, self.size):
@@ -246,7 +253,8 @@ class Watchdog:
     def finish(self) -> None:
         """At exit: mark this rank done, unless the job failed; rank 0 keeps the store up until every
         rank is done (its thread still stops the job if one fails meanwhile), and stops the ranks that
-        wait for it in a collective meanwhile."""
+        wait for it in a collective meanwhile. Rank 0 ending with the job's failure (it raised) keeps the
+        store up until the others read it, for a few intervals: they poll every interval."""
         if os.getpid() != self.pid:
             return
         try:
@@ -255,6 +263,8 @@ class Watchdog:
                 if self.rank == 0:
                     self._finishing = True
                     self._outlive_running_ranks()
+            elif self.rank == 0:
+                self._until_every_rank_ended(_WAITS_BEFORE_FAILED * self.interval)
         except (RuntimeError, OSError):  # the store is gone: nobody is left to tell
             pass
         self._stopping.set()
@@ -274,10 +284,14 @@ class Watchdog:
                 if stuck:
                     self.publish(f"rank {self.rank} ended while rank {stuck[0]} waits in a collective")
             time.sleep(0.05)
+        self._until_every_rank_ended(self.timeout)  # every rank reads the failure before the store goes
+
+    def _until_every_rank_ended(self, seconds: float) -> None:
+        """Rank 0: wait, at most ``seconds``, until every other rank is done, stopped or gone from this host."""
         running = set(range(1, self.size))
-        deadline = time.monotonic() + self.timeout  # every rank reads the failure before the store goes
+        deadline = time.monotonic() + seconds
         while running and time.monotonic() < deadline:
-            running = {rank for rank in running if not self._ended(rank)}
+            running = {rank for rank in running if not (self._ended(rank) or self._local_peer_gone(rank))}
             time.sleep(0.05)
 
     def _ended(self, rank: int) -> bool:
@@ -428,8 +442,15 @@ def explain_failure(error: Exception) -> NoReturn:
     """A collective failed: stop the job naming the failed rank, or re-raise saying none was found."""
     if _watchdog is None:
         raise error
+    busy = _watchdog.busy_ranks()
     failure = _watchdog.find_failure()
     if failure:
         _watchdog.stop_job(failure)
+    if busy:
+        raise RuntimeError(
+            f"rank {busy[0]} did not join the collective that rank {_watchdog.rank} waited in for {TIMEOUT_ENV}="
+            f"{_watchdog.timeout:g} s, and is alive: still compiling or computing (the first compilation of a "
+            f"large model, a slower host) or on a code path the others did not take. If it is the compilation, "
+            f"set {TIMEOUT_ENV} (seconds) or DeepSpeed's timeout above the longest one. {error}") from error
     raise RuntimeError(f"a collective failed on rank {_watchdog.rank} and no rank was found dead within "
                        f"{_watchdog.timeout:g} s ({TIMEOUT_ENV}): a rank may be hung. {error}") from error

@@ -108,6 +108,16 @@ def last_rank_saves_alone() -> None:
     print("RANK 0 SAVED", flush=True)
 
 
+def slow_first_compilation() -> None:
+    """Rank 1 reaches the first collective long after rank 0, as after a first compilation longer than the comm
+    timeout (a sleep here: like XLA compiling, it leaves the heartbeat thread running)."""
+    import torch.distributed as dist
+    device, rank = _join()
+    if rank == 1:
+        time.sleep(3 * float(os.environ[TIMEOUT_ENV]))
+    dist.all_reduce(torch.ones(4, device=device))
+
+
 def forked_child_gets_sigterm() -> None:
     """Rank 1 forks a child, as a DataLoader worker is, and stops it with SIGTERM, as the DataLoader's shutdown
     does; then both ranks go on past a watchdog interval."""
@@ -147,9 +157,9 @@ def _output(files) -> str:
     return "".join(line for line in (out.read() + err.read()).splitlines(keepends=True) if "frame #" not in line)
 
 
-def _run_two_ranks(function: str) -> tuple:
+def _run_two_ranks(function: str, timeout: float = TIMEOUT) -> tuple:
     """Both ranks' exit codes and their output, ``function`` of this module run as 2 ranks without a launcher."""
-    procs, logs = start_ranks(f"{__name__}:{function}", 2, {"DS_ACCELERATOR": "xla", "DS_XLA_COMM_TIMEOUT": TIMEOUT})
+    procs, logs = start_ranks(f"{__name__}:{function}", 2, {"DS_ACCELERATOR": "xla", TIMEOUT_ENV: timeout})
     try:
         codes = [proc.wait(timeout=180) for proc in procs]
     finally:
@@ -197,6 +207,15 @@ def test_survivor_exits_naming_the_failed_rank(faulted_jobs, fault, rank):
     assert f"[deepspeed_xla] rank {survivor} stops: {FAULTED[fault, rank]}" in output, output[-6000:]
     if fault.startswith("sigterm"):  # it ends as SIGTERM would have, at once, even from inside a collective
         assert faulting_code == TERMINATED_EXIT_CODE, (faulting_code, output[-6000:])
+
+
+def test_a_timeout_shorter_than_the_first_compilation_names_the_slow_rank_and_the_variable():
+    codes, output = _run_two_ranks("slow_first_compilation", timeout=3)
+    assert 0 not in codes, f"{codes}\n{output[-6000:]}"
+    slow = (f"rank 0 raised RuntimeError: rank 1 did not join the collective that rank 0 waited in for "
+            f"{TIMEOUT_ENV}=3 s, and is alive: still compiling or computing")
+    assert f"[deepspeed_xla] rank 1 stops: {slow}" in output, output[-6000:]
+    assert f"set {TIMEOUT_ENV} (seconds) or DeepSpeed's timeout above the longest one" in output, output[-6000:]
 
 
 def test_a_forked_child_stopped_by_sigterm_is_not_the_rank():
