@@ -195,6 +195,11 @@ class Watchdog:
             return None
         return f"rank {rank} (pid {pid}) exited unexpectedly: killed, out of memory, or crashed"
 
+    def _local_peers_gone(self) -> Optional[str]:
+        """The first other rank gone from this host without ending, if any."""
+        return next(filter(None, (self._local_peer_gone(rank) for rank in range(self.size) if rank != self.rank)),
+                    None)
+
     # -- shared with the job's threads
     def published_failure(self) -> Optional[str]:
         if self._store.check([_FAILED]):
@@ -229,8 +234,7 @@ class Watchdog:
         """SIGTERM ends this rank as it would have, telling the peers why; unless it came because the job had
         already failed (a launcher stops the other ranks of its host when one dies), which stays the cause."""
         try:
-            failure = self.published_failure() or next(
-                filter(None, (self._local_peer_gone(rank) for rank in range(self.size) if rank != self.rank)), None)
+            failure = self.published_failure() or self._local_peers_gone()
         except (RuntimeError, OSError):  # the store is gone
             failure = None
         self.stop_job(failure or f"rank {self.rank} got SIGTERM: preempted (a spot VM, a TPU maintenance event), or "
@@ -240,9 +244,7 @@ class Watchdog:
         """A failed rank, looked for until the timeout: local peers at once, the others by heartbeat."""
         deadline = time.monotonic() + self.timeout + 2 * self.interval
         while True:
-            failure = self.published_failure()
-            for rank in range(self.size):
-                failure = failure or (self._local_peer_gone(rank) if rank != self.rank else None)
+            failure = self.published_failure() or self._local_peers_gone()
             ended = [rank for rank in range(self.size) if rank != self.rank and self._store.check([f"done/{rank}"])]
             if ended and not failure:
                 failure = f"rank {ended[0]} ended while rank {self.rank} waits in a collective"
