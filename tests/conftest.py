@@ -15,11 +15,6 @@ import pytest
 # its gradient copies make hundreds of small fusions). Results stay within the tolerances.
 FAST_COMPILE = {"XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"}
 
-# In-process tests use DeepSpeed with the XLA accelerator: set before anything imports deepspeed.
-os.environ["DS_ACCELERATOR"] = "xla"
-os.environ.setdefault("PJRT_DEVICE", "CPU")
-os.environ.update(FAST_COMPILE)
-
 REPO = Path(__file__).resolve().parents[1]
 #: Folders of ``sitecustomize.py`` files that a launched run puts on its PYTHONPATH to watch or break itself
 #: (``cpuinfo_cache`` is on every ``clean_env``'s, unless a test names another).
@@ -66,6 +61,15 @@ def clean_env(**overrides) -> dict:
     for key in [k for k, v in overrides.items() if v is None]:
         env.pop(key, None)
     return env
+
+
+def pytest_configure(config) -> None:
+    """In-process tests use DeepSpeed with the XLA accelerator: set before a test module imports deepspeed. Here, not
+    at import: a rank's code that imports this module (through ``tests.multiproc``) keeps the accelerator its
+    environment names."""
+    os.environ["DS_ACCELERATOR"] = "xla"
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    os.environ.update(FAST_COMPILE)
 
 
 @pytest.fixture

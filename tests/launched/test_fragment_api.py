@@ -22,7 +22,9 @@ from tests.multiproc import accelerator_env, free_port, remove_cpu_comm_buffers,
 
 WORLD = 2
 MOMENTS = ("exp_avg", "exp_avg_sq")
-TOLERANCE = {"fp32": 1e-6, "bf16": 1e-3}  # of max(1, |value|); the two runs agreed exactly when written
+# Of max(1, |value|). bf16: both sides compute the gradients in bf16, in their own order, so after a bf16 step they
+# differ by a few bf16 steps of the gradient (measured: 1.5e-3, 3 of them, on gradients of ~0.1).
+TOLERANCE = {"fp32": 1e-6, "bf16": 4e-3}
 CONFIGS = [f"zero{stage}-{precision}{offload}" for stage in (1, 2, 3) for precision in TOLERANCE
            for offload in ("", "-offload")]
 OUT_ENV = "DSX_TEST_FRAGMENT_OUT"
@@ -172,6 +174,7 @@ def rank_main() -> None:
         except Exception:
             results[name] = {"failed": traceback.format_exc()}
     import deepspeed
+    results["accelerator"] = deepspeed.get_accelerator().device_name()
     with open(f"{os.environ[OUT_ENV]}.rank{deepspeed.comm.get_rank()}", "w") as handle:
         json.dump(results, handle)
 
@@ -180,7 +183,7 @@ def launch(accelerator: str, out: Path) -> list:
     port = free_port()
     env = {**accelerator_env(accelerator, WORLD), "MASTER_PORT": port, OUT_ENV: str(out)}
     try:
-        procs = run_ranks(f"{__name__}:rank_main", WORLD, env=env, timeout=600)
+        procs = run_ranks(f"{__name__}:rank_main", WORLD, env=env, timeout=600, after_import=(OUT_ENV, ))
     finally:
         remove_cpu_comm_buffers(str(port))
     for rank, proc in enumerate(procs):
@@ -220,6 +223,7 @@ def differences(xla: dict, cpu: dict, tolerance: float) -> list:
 def test_fragment_api(runs, config):
     xla, cpu = runs
     for rank in range(WORLD):
+        assert (xla[rank]["accelerator"], cpu[rank]["accelerator"]) == ("xla", "cpu"), rank
         assert "failed" not in cpu[rank][config], f"CPU accelerator, rank {rank}:\n{cpu[rank][config]['failed']}"
         assert "failed" not in xla[rank][config], f"XLA, rank {rank}:\n{xla[rank][config]['failed']}"
         found = differences(xla[rank][config], cpu[rank][config], TOLERANCE[config.split("-")[1]])
