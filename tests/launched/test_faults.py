@@ -174,7 +174,7 @@ def faulted_jobs():
     this job's fault to that exit, output, the faulting rank's exit code)}. Jobs are polled together, so each is
     timed from its own fault."""
     jobs = {key: start_ranks(f"{__name__}:collective_loop", 2, {"DS_ACCELERATOR": "xla", "DS_XLA_COMM_TIMEOUT": TIMEOUT,
-                                                                 FAULT_ENV: f"{key[0]}:{key[1]}"})
+                                                                 FAULT_ENV: f"{key[0]}:{key[1]}"}, (FAULT_ENV, ))
             for key in FAULTED}
     ended = {}
     try:
