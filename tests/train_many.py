@@ -26,14 +26,21 @@ def main() -> None:
     args = parser.parse_args()
     train = load_example(str(TRAIN))
     import torch
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import groups
     linear, mpu = torch.nn.functional.linear, groups.mpu
     for run in json.loads(Path(args.runs).read_text()):
         train.main(run["args"])
         # What DeepSpeed leaves to the rest of a process, which the next run (in a job of its own) would not
         # find: ZeRO-3's memory-efficient torch.nn.functional.linear ("This will persist unless manually
-        # reset", it logs) and a pipeline engine's grid in deepspeed.utils.groups.mpu.
+        # reset", it logs), a pipeline engine's grid in deepspeed.utils.groups.mpu, and the ZeRO optimizer
+        # itself (its hooks keep it alive; DeepSpeed's CPU accelerator keeps the engine too). The views of that
+        # optimizer's flat buffers its last step updated are pending on XLA: left alone, they join the next run's
+        # first graph, which then matches no compiled graph (a new compilation of the whole step, every run).
         torch.nn.functional.linear, groups.mpu = linear, mpu
+        if get_accelerator().device_name() == "xla":
+            from deepspeed_xla import xla_runtime
+            xla_runtime.sync()
         if run["hlo_dir"]:
             take_dumps(args.hlo_dumps, Path(run["hlo_dir"]))
 
