@@ -109,6 +109,8 @@ class XLA_Accelerator(DeepSpeedAccelerator):
         return count
 
     def synchronize(self, device_index=None):
+        """Every collective issued and all device work done: queued collectives run, then the pending graph."""
+        comm.run_issued()
         if xla_runtime.is_runtime_initialized():
             xla_runtime.sync(wait=True)
 

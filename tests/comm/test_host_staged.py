@@ -499,6 +499,21 @@ def pooled_buffers_keep_results(rank):
         host_buffers.POOLED_BYTES = pooled_bytes
 
 
+@check
+def synchronize_runs_issued_collectives(rank):
+    """The accelerator's ``synchronize`` finishes collectives issued with ``async_op=True`` and not waited on, as
+    ``torch.cuda.synchronize`` finishes NCCL's: their outputs are complete after it."""
+    from deepspeed_xla.accelerator import XLA_Accelerator
+    shape = (3, 5)
+    tensor = xla(values(rank, shape, salt=7))
+    gathered = stale((WORLD,) + shape)
+    dist.all_reduce(tensor, async_op=True)
+    dist.all_gather_into_tensor(gathered, xla(values(rank, shape, salt=8)), async_op=True)
+    XLA_Accelerator().synchronize()
+    expect("all_reduce issued before synchronize", tensor, reduced("SUM", shape, torch.float32, 7))
+    expect("all_gather issued before synchronize", gathered, torch.stack([values(r, shape, salt=8) for r in range(WORLD)]))
+
+
 STAGING = {"zero-copy": True, "copies": False}  # PJRT CPU's path, and the TPU side channel's
 
 
