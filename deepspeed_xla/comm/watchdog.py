@@ -220,7 +220,8 @@ class Watchdog:
             sys.stderr.write(f"[deepspeed_xla] rank {self.rank} stops: {first}\n")
 
     def stop_job(self, failure: str, code: int = EXIT_CODE) -> NoReturn:
-        """Print the job's first failure and end this process (a collective may hold the main thread)."""
+        """Print the job's first failure and end this process (a collective may hold the main thread). Rank 0's
+        process hosts the store: it stays up until the others read the failure, for a few intervals."""
         try:
             failure = self.publish(failure)
             self._store.set(f"stopped/{self.rank}", "1")
@@ -228,6 +229,9 @@ class Watchdog:
             pass
         sys.stderr.write(f"[deepspeed_xla] rank {self.rank} stops: {failure}\n")
         sys.stderr.flush()
+        if self.rank == 0:
+            with contextlib.suppress(RuntimeError, OSError):
+                self._until_every_rank_ended(_WAITS_BEFORE_FAILED * self.interval)
         _real_exit(code)
 
     def terminated(self) -> NoReturn:

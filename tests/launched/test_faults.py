@@ -67,6 +67,7 @@ FAULTED = {
     ("exit1", 1): "rank 1 ended while rank 0 waits in a collective",
     ("os_exit0", 1): "rank 1 ended while rank 0 waits in a collective",
     ("sigterm", 1): "rank 1 got SIGTERM: preempted",
+    ("sigterm", 0): "rank 0 got SIGTERM: preempted",  # the rank that holds the rendezvous store
     ("sigterm_in_collective", 1): "rank 1 got SIGTERM: preempted",
 }
 
