@@ -106,7 +106,11 @@ class HostStagedProcessGroup(ProcessGroup):
             return staging.writable(staged[id(tensor)]) if staging.is_xla(tensor) else staged[id(tensor)]
 
         host_out = [output_buffer(t) for t in outputs]
-        return HostWork(call(host_in, host_out), outputs, host_out)
+        try:
+            works = call(host_in, host_out)
+        except RuntimeError as error:  # gloo refuses at once to start on a connection a dead peer closed
+            watchdog.explain_failure(error)
+        return HostWork(works, outputs, host_out)
 
     def _run(self, inputs, outputs, call, in_place: bool = True) -> dist.Work:
         """Issue a collective; it runs when waited on (``work.Issued``). ``in_place``: see ``_launch``.

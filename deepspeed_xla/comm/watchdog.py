@@ -37,6 +37,7 @@ from deepspeed_xla import env_vars
 TIMEOUT_ENV = "DS_XLA_COMM_TIMEOUT"
 EXIT_CODE = 1
 TERMINATED_EXIT_CODE = 128 + signal.SIGTERM  # how a shell reports a process that SIGTERM stopped
+_EXPLAINED = "_deepspeed_xla_explained"  # set on the errors explain_failure raises
 _PREFIX = "deepspeed_xla/watchdog/"
 _FAILED = "failed"
 _WAITS_BEFORE_FAILED = 3  # intervals a rank waits for one that ended before that is a failure: more than one
@@ -445,18 +446,22 @@ def watched(create_group: Callable) -> Callable:
 
 
 def explain_failure(error: Exception) -> NoReturn:
-    """A collective failed: stop the job naming the failed rank, or re-raise saying none was found."""
-    if _watchdog is None:
+    """A collective failed: stop the job naming the failed rank, or re-raise saying none was found. An error this
+    function raised passes through unchanged (a collective issued inside another one's start)."""
+    if _watchdog is None or getattr(error, _EXPLAINED, False):
         raise error
     busy = _watchdog.busy_ranks()
     failure = _watchdog.find_failure()
     if failure:
         _watchdog.stop_job(failure)
     if busy:
-        raise RuntimeError(
+        explained = RuntimeError(
             f"rank {busy[0]} did not join the collective that rank {_watchdog.rank} waited in for {TIMEOUT_ENV}="
             f"{_watchdog.timeout:g} s, and is alive: still compiling or computing (the first compilation of a "
             f"large model, a slower host) or on a code path the others did not take. If it is the compilation, "
-            f"set {TIMEOUT_ENV} (seconds) or DeepSpeed's timeout above the longest one. {error}") from error
-    raise RuntimeError(f"a collective failed on rank {_watchdog.rank} and no rank was found dead within "
-                       f"{_watchdog.timeout:g} s ({TIMEOUT_ENV}): a rank may be hung. {error}") from error
+            f"set {TIMEOUT_ENV} (seconds) or DeepSpeed's timeout above the longest one. {error}")
+    else:
+        explained = RuntimeError(f"a collective failed on rank {_watchdog.rank} and no rank was found dead within "
+                                 f"{_watchdog.timeout:g} s ({TIMEOUT_ENV}): a rank may be hung. {error}")
+    setattr(explained, _EXPLAINED, True)
+    raise explained from error
