@@ -1,7 +1,8 @@
-"""DeepSpeed's multi-node launchers for real, on loopback: pdsh through a test sshd to two host names, OpenMPI,
-MPICH and a one-node Slurm cluster (through ``deepspeed --launcher slurm`` and through ``srun`` itself). Each
-starts the 2 XLA ranks of the ZeRO-2 run that test_multiprocess_training.py compares, and is compared with
-DeepSpeed's CPU accelerator the same way. Needs sshd, pdsh, OpenMPI, MPICH and Slurm (.ci/run installs them).
+"""DeepSpeed's multi-node launchers for real, on loopback: pdsh through a test sshd to two host names, ``--no_ssh``
+(one runner per node), OpenMPI, MPICH and a one-node Slurm cluster (through ``deepspeed --launcher slurm`` and
+through ``srun`` itself). Each starts the 2 XLA ranks of the ZeRO-2 run that test_multiprocess_training.py
+compares, and is compared with DeepSpeed's CPU accelerator the same way. Needs sshd, pdsh, OpenMPI, MPICH and
+Slurm (.ci/run installs them).
 
     python -m pytest tests/launched/test_launchers.py
 """
@@ -12,13 +13,14 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import psutil
 import pytest
 
 from deepspeed_xla.launch_env import free_port
 from tests import services
 from tests.conftest import FAST_COMPILE, FIXTURES, VENV_BIN, clean_env
-from tests.multiproc import (TRAIN, TWO_RANK_RUN, assert_trains_like, ds_config, last_error, read_results,
-                             run_command, run_job, train_arguments)
+from tests.multiproc import (TRAIN, TWO_RANK_RUN, assert_trains_like, ds_config, kill_group, last_error,
+                             read_results, run_command, run_job, start_command, train_arguments)
 
 CONFIG = ds_config(2)
 PROBE_DIR = FIXTURES / "runtime_probe"
@@ -40,11 +42,12 @@ def _mpirun(folder: Path, implementation: str) -> Dict[str, str]:
     return {"PATH": f"{folder}{os.pathsep}{clean_env()['PATH']}"}
 
 
-def _command(workdir: Path, command: List[str], hosts: Optional[str], env: Optional[dict]):
+def _command(workdir: Path, command: List[str], hosts: Optional[str], env: Optional[dict],
+             steps: int = TWO_RANK_RUN["steps"]):
     """``command`` (the ``deepspeed`` CLI's or ``srun``'s arguments before the script) with ``scripts/train.py``
     and the ZeRO-2 run's arguments after it, its environment (XLA, gloo on loopback, then ``env``), and where
     rank 0's JSON goes. ``hosts``: the hostfile's text, passed as ``--hostfile``."""
-    args, out = train_arguments(workdir, "xla", CONFIG, TWO_RANK_RUN["steps"])
+    args, out = train_arguments(workdir, "xla", CONFIG, steps)
     if hosts is not None:
         (workdir / "hostfile").write_text(hosts)
         command = [command[0], "--hostfile", str(workdir / "hostfile"), *command[1:]]
@@ -131,6 +134,59 @@ def test_unreachable_host_stops_the_runner_naming_it(tmp_path, sshd):
     error = last_error(proc)
     assert "cannot reach 127.0.0.3 over ssh" in error and "Connection refused" in error, error
     assert "localhost:" not in error
+
+
+def _start_no_ssh_nodes(workdir: Path, env: Optional[dict] = None, steps: int = TWO_RANK_RUN["steps"]) -> tuple:
+    """``deepspeed --no_ssh --node_rank N`` for each host of a two-host hostfile, as a scheduler without ssh starts
+    one per node: no runner reaches the other host. Returns the nodes' processes (``kill_group`` ends each), their
+    logs, and where rank 0's JSON goes."""
+    port, nodes, logs = str(free_port()), [], []
+    for node in range(2):
+        command = [str(VENV_BIN / "deepspeed"), "--no_ssh", "--node_rank", str(node), "--master_addr",
+                   services.LOOPBACK, "--master_port", port]
+        cmd, node_env, out = _command(workdir, command, "localhost slots=1\n127.0.0.1 slots=1\n", env, steps)
+        logs.append(workdir / f"node{node}.log")
+        with open(logs[-1], "w") as handle:
+            nodes.append(start_command(cmd, cwd=workdir, env=node_env, stdout=handle, stderr=subprocess.STDOUT))
+    return nodes, logs, out
+
+
+def test_no_ssh_nodes_match_cpu_accelerator(tmp_path, cpu_run):
+    nodes, logs, out = _start_no_ssh_nodes(tmp_path)
+    try:
+        codes = [node.wait(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            kill_group(node)
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    assert_trains_like(read_results(out, 2), cpu_run, "float32")
+
+
+def test_a_rank_killed_on_one_no_ssh_node_stops_the_other_node(tmp_path):
+    """Node 1's launcher sees its worker die and fails; node 0's cannot, and no runner spans both: node 0's rank
+    stops by itself, naming rank 1, within the comm timeout (one launcher for both ranks would stop them on its
+    own)."""
+    timeout = 30
+    nodes, logs, _ = _start_no_ssh_nodes(tmp_path, {"DS_XLA_COMM_TIMEOUT": timeout}, steps=100000)
+    try:
+        deadline = time.monotonic() + 300
+        while "step    0" not in logs[0].read_text():  # rank 0 finished a step: both ranks are training
+            assert nodes[0].poll() is None and time.monotonic() < deadline, logs[0].read_text()[-6000:]
+            time.sleep(0.2)
+        worker, = (child for child in psutil.Process(nodes[1].pid).children(recursive=True)
+                   if "--local_rank=0" in child.cmdline())  # node 1's only worker, started by its launcher
+        worker.kill()
+        killed = time.monotonic()
+        code = nodes[0].wait(timeout=timeout + 60)
+        took = time.monotonic() - killed
+        killed_node_code = nodes[1].wait(timeout=60)
+    finally:
+        for node in nodes:
+            kill_group(node)
+    output = logs[0].read_text()
+    assert killed_node_code != 0, logs[1].read_text()[-6000:]
+    assert code != 0 and took < timeout, f"node 0 ended ({code}) {took:.1f} s after rank 1's kill:\n{output[-6000:]}"
+    assert "[deepspeed_xla] rank 0 stops: rank 1 " in output, output[-6000:]
 
 
 def test_openmpi_matches_cpu_accelerator(tmp_path, cpu_run):
