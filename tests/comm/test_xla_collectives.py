@@ -74,6 +74,19 @@ def test_tiling_of_every_deepspeed_topology_group_is_its_axis(pipe, model, data)
             assert sorted(tiling_mesh(group, topo.world_size())) == axis_groups, (axis, group)
 
 
+def test_a_group_given_out_of_order_tiles_in_the_order_torch_ranks_it():
+    """torch's ``new_group`` sorts its ranks: group rank i is the i-th smallest global rank, so ``new_group([2, 0])``
+    gathers rank 0's data first, and the replica group the mesh gives XLA lists its ranks in that order too."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        group_ranks = dist.get_process_group_ranks(dist.new_group([2, 0]))
+    finally:
+        dist.destroy_process_group()
+    assert tiling_mesh([2, 0], 4)[0] == group_ranks == [0, 2]
+
+
 def test_groups_that_cannot_tile_the_world_are_refused():
     assert tiling_mesh([0, 3], 4) is None  # first and last of 4 pipeline stages (tied weights)
     assert tiling_mesh([0, 1], 3) is None
