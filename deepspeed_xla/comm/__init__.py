@@ -35,5 +35,4 @@ def run_issued() -> None:
     """Run the collectives issued and not yet waited on (the host-staged backend queues ``async_op=True`` ops until
     a wait): what ``XLA_Accelerator.synchronize`` waits for, as ``torch.cuda.synchronize`` waits for NCCL's."""
     from deepspeed_xla.comm import work
-    if work.ISSUED.ops:
-        work.ISSUED.run()
+    work.ISSUED.run()
