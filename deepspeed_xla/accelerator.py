@@ -39,7 +39,7 @@ class _XlaGenerator:
 
 
 def _seed_to_state(seed: int) -> torch.Tensor:
-    return torch.tensor(list(int(seed).to_bytes(8, "little", signed=False)), dtype=torch.uint8)
+    return torch.tensor(list(int(seed).to_bytes(8, "little", signed=False)), dtype=torch.uint8, device="cpu")
 
 
 def _state_to_seed(state) -> int:

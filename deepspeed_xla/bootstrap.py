@@ -5,7 +5,8 @@
 
 DeepSpeed has no plugin mechanism and captures its accelerator while ``import deepspeed`` is still
 running, so the only reliable moment to register is right after ``real_accelerator``'s module body
-ran. A ``sys.meta_path`` finder wraps that module and the few that ``patches/`` touches (``_AFTER_IMPORT``).
+ran. A ``sys.meta_path`` finder wraps that module, the few that ``patches/`` touches, and torch_xla, after whose
+import a launched worker sets up its device (``_AFTER_IMPORT``).
 The same finder imports the big frameworks with the cyclic garbage collector paused (``_FROZEN_IMPORTS``).
 Nothing here imports torch or deepspeed:
 this file costs every Python process a few stat calls and must stay that cheap (only gc/os/sys).
@@ -25,6 +26,7 @@ _PATCHES_HOOK = ("deepspeed_xla.patches", "on_module_loaded")
 # must match deepspeed_xla.patches.PATCHED_MODULES (a test checks it; this file cannot import it).
 _AFTER_IMPORT = {
     "deepspeed.accelerator.real_accelerator": ("deepspeed_xla.registration", "on_real_accelerator_loaded"),
+    "torch_xla": ("deepspeed_xla.process_setup", "on_torch_xla_loaded"),
     "deepspeed.runtime.config": _PATCHES_HOOK,
     "deepspeed.runtime.engine": _PATCHES_HOOK,
     "deepspeed.runtime.utils": _PATCHES_HOOK,
@@ -32,6 +34,7 @@ _AFTER_IMPORT = {
     "deepspeed.runtime.zero.stage_1_and_2": _PATCHES_HOOK,
     "deepspeed.runtime.zero.stage3": _PATCHES_HOOK,
     "deepspeed.runtime.zero.linear": _PATCHES_HOOK,
+    "deepspeed.runtime.zero.partition_parameters": _PATCHES_HOOK,
     "deepspeed.runtime.zero.parameter_offload": _PATCHES_HOOK,
     "deepspeed.runtime.fp16.loss_scaler": _PATCHES_HOOK,
     "deepspeed.runtime.fp16.fused_optimizer": _PATCHES_HOOK,
@@ -39,6 +42,10 @@ _AFTER_IMPORT = {
     "deepspeed.launcher.runner": _PATCHES_HOOK,
     "deepspeed.launcher.multinode_runner": _PATCHES_HOOK,
     "deepspeed.comm.torch": _PATCHES_HOOK,
+    "accelerate.state": _PATCHES_HOOK,
+    "accelerate.utils.deepspeed": _PATCHES_HOOK,
+    "transformers.trainer": _PATCHES_HOOK,
+    "transformers.training_args": _PATCHES_HOOK,
 }
 #: Top-level packages whose import runs with the cyclic GC paused, then frozen (why: ``_exec_frozen``).
 _FROZEN_IMPORTS = ("torch", "torch_xla", "deepspeed")

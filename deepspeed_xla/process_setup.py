@@ -1,17 +1,18 @@
 """Each worker's one-time device setup, before its first XLA use: this replaces ``xmp.spawn``.
 
 ``setup_process()`` writes this process's PJRT topology (from ``launch_env.process_layout``) before the
-runtime starts, so that plain subprocess launching (DeepSpeed's launchers, torchrun, MPI, Slurm) gives
-one process per device. The launcher's own check of its host (``check_host_launch``) lives here too:
-it asks the same question without starting anything. ``DS_XLA_COMPILATION_CACHE`` gives each worker
+runtime starts (in a launched worker as soon as torch_xla is imported: ``on_torch_xla_loaded``), so that
+plain subprocess launching (DeepSpeed's launchers, torchrun, MPI, Slurm) gives one process per device. The
+launcher's own check of its host (``check_host_launch``) lives here too: it asks the same question without
+starting anything. ``DS_XLA_COMPILATION_CACHE`` gives each worker
 torch_xla's persistent compilation cache (``compilation_cache_dir``).
 """
 import os
 from typing import Mapping, Optional, Sequence
 
 from deepspeed_xla import xla_runtime
-from deepspeed_xla.devices import DeviceType, current_device_type
-from deepspeed_xla.launch_env import ProcessLayout, process_layout
+from deepspeed_xla.devices import DeviceType, current_device_type, wants_xla
+from deepspeed_xla.launch_env import ProcessLayout, is_launcher_process, launched, process_layout
 
 
 COMPILATION_CACHE_ENV = "DS_XLA_COMPILATION_CACHE"
@@ -45,16 +46,22 @@ def check_host_launch(device_type: DeviceType, device_ids: Sequence[int]) -> Non
         raise RuntimeError(problem)
 
 
+_prepared: Optional[ProcessLayout] = None
 _layout: Optional[ProcessLayout] = None
 
 
-def setup_process(device_type: Optional[DeviceType] = None) -> ProcessLayout:
-    """Configure this process's device once, before its first XLA use; safe to call again.
+def prepare_process(device_type: Optional[DeviceType] = None) -> ProcessLayout:
+    """The half of the set-up that must come before the XLA runtime starts: this process's PJRT topology, the
+    compilation cache, the device type's runtime preparation (e.g. its PJRT plugin). Once per process.
 
-    ``device_type``: the accelerator's; this process's ``current_device_type()`` when called directly."""
-    global _layout
-    if _layout is not None:
-        return _layout
+    A launched worker runs it when torch_xla is imported (``on_torch_xla_loaded``), so that a library which touches
+    the device before DeepSpeed does (accelerate's ``PartialState``, built with the Trainer) starts the runtime with
+    this process's topology; other processes at their first device use."""
+    global _prepared
+    if _prepared is None:
+        xla_runtime.torch_xla()  # in a launched worker, the import prepares the process (on_torch_xla_loaded)
+    if _prepared is not None:
+        return _prepared
     layout = process_layout()
     if layout.local_size > 1 and xla_runtime.is_runtime_initialized():
         raise RuntimeError(
@@ -67,16 +74,36 @@ def setup_process(device_type: Optional[DeviceType] = None) -> ProcessLayout:
     if problem:
         raise RuntimeError(problem)
     device_type.configure_process(layout.local_rank, layout.local_size, layout.node_rank, os.environ)
-    xla_runtime.torch_xla()
     cache = compilation_cache_dir()
     if cache:
         xla_runtime.initialize_cache(cache)
     device_type.prepare_runtime()
+    _prepared = layout
+    return layout
+
+
+def setup_process(device_type: Optional[DeviceType] = None) -> ProcessLayout:
+    """Configure this process's device once, before its first XLA use by DeepSpeed; safe to call again:
+    ``prepare_process``, then the XLA collectives' replication across the world (device types that have them).
+
+    ``device_type``: the accelerator's; this process's ``current_device_type()`` when called directly."""
+    global _layout
+    if _layout is not None:
+        return _layout
+    device_type = device_type or current_device_type()
+    layout = prepare_process(device_type)
     if layout.local_size > 1 and device_type.has_xla_collectives:
         xla_runtime.initialize_multiprocess(layout.local_rank, layout.local_size)
         _check_ordinal()
     _layout = layout
     return layout
+
+
+def on_torch_xla_loaded(module) -> None:
+    """Startup-hook entry, right after torch_xla's import: a launched worker of an XLA run prepares its device now,
+    before any library can start the runtime. The launchers themselves import nothing that needs a device."""
+    if wants_xla() and launched() and not is_launcher_process():
+        prepare_process()
 
 
 def _check_ordinal() -> None:

@@ -9,16 +9,8 @@ import sys
 import warnings
 
 from deepspeed_xla.bootstrap import ACCELERATOR_NAME
+from deepspeed_xla.devices import wants_xla
 from deepspeed_xla.launch_env import fill_scheduler_env, is_deepspeed_runner, is_launcher_process
-
-
-def wants_xla() -> bool:
-    """``DS_ACCELERATOR=xla``; or, with it unset, a host that really has TPU chips."""
-    requested = os.environ.get("DS_ACCELERATOR", "").strip().lower()
-    if requested:
-        return requested == ACCELERATOR_NAME
-    from deepspeed_xla.devices import host_has_tpu
-    return host_has_tpu()
 
 
 def on_real_accelerator_loaded(module) -> None:

@@ -16,9 +16,8 @@ from importlib import metadata
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from deepspeed_xla import bootstrap
-from deepspeed_xla.devices import UNSET_ON_CPU_WARNING, default_device_name, device_type_named
+from deepspeed_xla.devices import UNSET_ON_CPU_WARNING, default_device_name, device_type_named, wants_xla
 from deepspeed_xla.env_file import apply_deepspeed_env, read_env_files
-from deepspeed_xla.registration import wants_xla
 from deepspeed_xla.xla_runtime import installed_version, pair_problem
 
 DIST = "deepspeed-xla"

@@ -271,22 +271,29 @@ def accelerator_env(accelerator: Optional[str], num_procs: int) -> dict:
 
 
 def launch_command(script: Sequence[str], accelerator: Optional[str], num_procs: int = 1,
-                   extra_env: Optional[dict] = None, launcher: str = "deepspeed") -> Tuple[List[str], dict]:
+                   extra_env: Optional[dict] = None, launcher: str = "deepspeed",
+                   launcher_args: Sequence[str] = ()) -> Tuple[List[str], dict]:
     """The command that starts ``script`` (a Python file and its arguments) on ``num_procs`` ranks, and its
     environment.
 
-    ``launcher="python"`` (one process) starts ``python script`` itself, without the ``deepspeed`` runner and its
-    launcher: on XLA the way a user without a launcher does; DeepSpeed's CPU accelerator, which looks for MPI
-    without them, gets the variables a launcher sets for one rank.
+    ``launcher``: ``deepspeed``, ``torchrun``, ``accelerate`` (``accelerate launch``; ``launcher_args`` name its
+    ``--config_file``, which sets the number of processes) or ``python`` (one process), which starts ``python
+    script`` itself, without the ``deepspeed`` runner and its launcher: on XLA the way a user without a launcher does; DeepSpeed's CPU accelerator, which looks
+    for MPI without them, gets the variables a launcher sets for one rank.
     """
     env, port = clean_env(**{**accelerator_env(accelerator, num_procs), **(extra_env or {})}), str(free_port())
+    script = [*map(str, launcher_args), *map(str, script)]
     if launcher == "python":
         assert num_procs == 1, "launcher='python' starts one process"
         if accelerator == "cpu":
             env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        return [sys.executable, *map(str, script)], env
+        return [sys.executable, *script], env
+    if launcher == "torchrun":
+        return [str(VENV_BIN / "torchrun"), "--nproc_per_node", str(num_procs), "--master_port", port, *script], env
+    if launcher == "accelerate":
+        return [str(VENV_BIN / "accelerate"), "launch", "--main_process_port", port, *script], env
     assert launcher == "deepspeed", launcher
-    return [str(VENV_BIN / "deepspeed"), "--num_gpus", str(num_procs), "--master_port", port, *map(str, script)], env
+    return [str(VENV_BIN / "deepspeed"), "--num_gpus", str(num_procs), "--master_port", port, *script], env
 
 
 def training_command(workdir: Path, accelerator: Optional[str], config: dict, num_procs: int = 1, steps: int = 20,
@@ -306,7 +313,8 @@ def remove_cpu_comm_buffers(master_port: str) -> None:
 
 def run_job(cmd: List[str], env: dict, cwd: Path, timeout: float) -> None:
     """Run a ``launch_command`` to its end; it must succeed."""
-    port = cmd[cmd.index("--master_port") + 1] if "--master_port" in cmd else env.get("MASTER_PORT")
+    port = next((cmd[i + 1] for i, arg in enumerate(cmd) if arg in ("--master_port", "--main_process_port")),
+                env.get("MASTER_PORT"))
     try:
         proc = run_command(cmd, timeout, cwd=cwd, env=env)
     finally:

@@ -1,7 +1,8 @@
-"""Several ``scripts/train.py`` trainings, one after the other, in one launched job.
+"""Several ``scripts/train.py`` (or ``--script scripts/hf_train.py``) trainings, one after the other, in one
+launched job.
 
     deepspeed --num_gpus 2 tests/train_many.py --runs runs.json
-    # runs.json: [{"args": [train.py arguments], "hlo_dir": null or where this run's HLO dumps go}, ...]
+    # runs.json: [{"args": [the script's arguments], "hlo_dir": null or where this run's HLO dumps go}, ...]
 
 ``tests.multiproc.Trainings`` launches the runs of one planned group this way: each is a fresh
 ``deepspeed.initialize`` on a fresh model, and the job's interpreters, imports and runtime start-up are paid
@@ -19,12 +20,13 @@ TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", required=True, help="JSON file: the runs (see the module docstring)")
+    parser.add_argument("--script", default=str(TRAIN), help="the training script whose main() each run calls")
     parser.add_argument("--hlo-dumps", type=Path, default=None,
                         help="the --xla_dump_to folder of XLA_FLAGS (one process): after each run, its files move to "
                              "that run's hlo_dir")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher; unused")
     args = parser.parse_args()
-    train = load_example(str(TRAIN))
+    train = load_example(args.script)
     import torch
     from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import groups
@@ -41,7 +43,7 @@ def main() -> None:
         if get_accelerator().device_name() == "xla":
             from deepspeed_xla import xla_runtime
             xla_runtime.sync()
-        if run["hlo_dir"]:
+        if run.get("hlo_dir"):
             take_dumps(args.hlo_dumps, Path(run["hlo_dir"]))
 
 

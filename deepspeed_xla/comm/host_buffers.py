@@ -31,15 +31,16 @@ def _shaped(buffer: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> t
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized host tensor; above ``POOLED_BYTES`` an idle pooled buffer when there is one."""
+    """An uninitialized host tensor; above ``POOLED_BYTES`` an idle pooled buffer when there is one. The device is
+    named: inside ``deepspeed.zero.Init``, DeepSpeed makes ``torch.empty`` without one allocate on the accelerator."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes <= POOLED_BYTES:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device="cpu")
     buffers = _POOL.setdefault(nbytes, [])
     for buffer, idle in buffers:
         if _uses(buffer) == idle:
             return _shaped(buffer, shape, dtype)
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     if len(buffers) < PER_SIZE:
         buffers.append((buffer, _uses(buffer)))
     return _shaped(buffer, shape, dtype)

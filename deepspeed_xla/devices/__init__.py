@@ -9,13 +9,14 @@ import os
 import warnings
 from typing import Dict, Type
 
+from deepspeed_xla.bootstrap import ACCELERATOR_NAME
 from deepspeed_xla.devices.base import DeviceType
 from deepspeed_xla.devices.cpu import CpuDevice
 from deepspeed_xla.devices.cuda import CudaDevice
 from deepspeed_xla.devices.tpu import TpuDevice
 
 __all__ = ["DEVICE_TYPES", "DeviceType", "UNSET_ON_CPU_WARNING", "current_device_type", "default_device_name",
-           "device_type_named", "host_has_tpu"]
+           "device_type_named", "host_has_tpu", "wants_xla"]
 
 DEVICE_TYPES: Dict[str, Type[DeviceType]] = {cls.pjrt_name: cls for cls in (TpuDevice, CpuDevice, CudaDevice)}
 
@@ -31,6 +32,15 @@ _current = None
 def host_has_tpu() -> bool:
     """Whether TPU chips are on this host's PCI bus (never starts the runtime; scanned once per process)."""
     return TpuDevice().is_present()
+
+
+def wants_xla() -> bool:
+    """Whether DeepSpeed's accelerator here is XLA: ``DS_ACCELERATOR=xla``; or, with it unset, a host that really
+    has TPU chips."""
+    requested = os.environ.get("DS_ACCELERATOR", "").strip().lower()
+    if requested:
+        return requested == ACCELERATOR_NAME
+    return host_has_tpu()
 
 
 def default_device_name() -> str:

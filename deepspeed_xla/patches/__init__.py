@@ -1,17 +1,20 @@
 """Every run-time change to DeepSpeed internals, in one table, each guarded by the version it was written for.
 
 The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
-the XLA accelerator is active. ``tests/patches/test_table.py`` fails when an upstream target changes.
-The wrappers live in one module per DeepSpeed subsystem they patch (``engine``, ``zero``,
-``precision``, ``grad_checks``, ``config``, ``launcher``, ``comm``); ``registry`` defines ``Patch`` and how a
-patch is checked and applied. Their figures: (docs/performance.md, 'Why the patches exist').
+the XLA accelerator is DeepSpeed's. ``tests/patches/test_table.py`` fails when an upstream target changes.
+The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine``, ``zero``, ``precision``,
+``grad_checks``, ``config``, ``launcher``, ``comm``, and the two places where the Hugging Face stack runs
+DeepSpeed (``accelerate``, ``trainer``); ``registry`` defines ``Patch`` and how a patch is checked and
+applied. Their figures: (docs/performance.md, 'Why the patches exist').
 """
 import warnings
 from importlib import metadata
 
-from deepspeed_xla.patches import comm, config, engine, grad_checks, launcher, precision, zero
-# WRITTEN_FOR, Patch, is_applied, source_digest and upstream_digest are this package's API too.
-from deepspeed_xla.patches.registry import WRITTEN_FOR, Patch, _apply, is_applied, source_digest, upstream_digest
+from deepspeed_xla.devices import wants_xla
+from deepspeed_xla.patches import accelerate, comm, config, engine, grad_checks, launcher, precision, trainer, zero
+# WRITTEN_FOR, VERSIONS, Patch, is_applied, source_digest and upstream_digest are this package's API too.
+from deepspeed_xla.patches.registry import (VERSIONS, WRITTEN_FOR, Patch, _apply, is_applied, source_digest,
+                                            upstream_digest)
 
 
 # DeepSpeed imports has_inf_or_nan by name, so every importing module's binding is patched.
@@ -60,6 +63,9 @@ PATCHES = [
           zero.stage3_grad_norm, "89aab0f80f1a80b3"),
     Patch("deepspeed.runtime.zero.linear", "LinearFunctionForZeroStage3", "apply", zero.zero3_linear_apply,
           "a2d46ec1bf4107fd", reads=("forward", "setup_context")),
+    *(Patch("deepspeed.runtime.zero.partition_parameters", "Init", method, zero.zero_init_moves_host_params, digest)
+      for method, digest in (("_post_init_method", "19fdf0caca628f79"),
+                             ("_convert_to_zero_parameters", "df65a7124c1cdc9c"))),
     Patch("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "_register_deepspeed_module",
           zero.zero3_register_module, "05081f6e841fa219"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "skipped_steps", engine.skipped_steps, "c4c6e01aa1fc4e7d",
@@ -95,27 +101,47 @@ PATCHES = [
     *(Patch(_MULTINODE_RUNNER, runner, "get_cmd", launcher.exports_rendezvous, digest)
       for runner, digest in (("OpenMPIRunner", "b8995592e8249045"), ("MVAPICHRunner", "c00bc28c496b31c2"),
                              ("SlurmRunner", "6869ce47d8edb10b"))),
+    Patch("accelerate.state", "PartialState", "_prepare_backend", accelerate.prepare_backend, "7a668a99017a1a1b",
+          reads=("_prepare_backend", "__init__", "set_device")),
+    Patch("accelerate.state", "AcceleratorState", "__init__", accelerate.refuses_dropped_deepspeed, "e5c18cb49fc98393"),
+    Patch("accelerate.utils.deepspeed", "DeepSpeedEngineWrapper", "get_global_grad_norm",
+          accelerate.grad_norm_on_device,
+          "f7e1593992852e14"),
+    *(Patch("transformers.trainer", "Trainer", method, trainer.saves_through_deepspeed, digest)
+      for method, digest in (("save_model", "705727ee10c8f24f"), ("_save_optimizer_and_scheduler", "c5ef974db69ab993"),
+                             ("_save_scaler", "fd1ce04cfea46123"))),
+    Patch("transformers.trainer", "Trainer", "_get_grad_norm", trainer.grad_norm_read_when_logged, "913ba6f52f074d10"),
+    Patch("transformers.trainer", "", "nested_gather", trainer.gathers_by_parallel_mode, "e380e9b71a14b9ab"),
+    Patch("transformers.training_args", "TrainingArguments", "parallel_mode", trainer.distributed_under_deepspeed,
+          "04fe5dc71b61e7e4"),
+    Patch("transformers.training_args", "TrainingArguments", "main_process_first", trainer.barrier_by_parallel_mode,
+          "81bfffffb9fa0d86"),
 ]
 
 PATCHED_MODULES = sorted({p.module for p in PATCHES})
 
 
-def _xla_is_active() -> bool:
+def _xla_is_active(distribution: str) -> bool:
+    """Whether XLA is DeepSpeed's accelerator; accelerate and transformers load before DeepSpeed chooses, so for
+    theirs: whether it will be."""
+    if distribution != "deepspeed":
+        return wants_xla()
     from deepspeed.accelerator import real_accelerator
     return getattr(real_accelerator.ds_accelerator, "_name", None) == "xla"
 
 
 def on_module_loaded(module) -> None:
-    """Startup-hook entry: patch ``module`` if the XLA accelerator is DeepSpeed's accelerator."""
-    if not _xla_is_active():
+    """Startup-hook entry: patch ``module`` if the XLA accelerator is (or will be) DeepSpeed's accelerator."""
+    targets = [patch for patch in PATCHES if patch.module == module.__name__]
+    if not targets or not _xla_is_active(targets[0].distribution):
         return
-    installed = metadata.version("deepspeed")
-    if installed != WRITTEN_FOR:
-        warnings.warn(f"deepspeed_xla's patches were written for DeepSpeed {WRITTEN_FOR}, found {installed}: "
-                      f"install deepspeed=={WRITTEN_FOR}.")
-    for patch in PATCHES:
-        if patch.module == module.__name__:
-            _apply(module, patch)
+    distribution = targets[0].distribution
+    installed, written_for = metadata.version(distribution), VERSIONS[distribution]
+    if installed != written_for:
+        warnings.warn(f"deepspeed_xla's patches were written for {distribution} {written_for}, found {installed}: "
+                      f"install {distribution}=={written_for}.")
+    for patch in targets:
+        _apply(module, patch)
 
 
 def apply_all() -> None:

@@ -1,4 +1,5 @@
-"""Patches of DeepSpeed's ZeRO optimizers (``deepspeed.runtime.zero``): ZeRO-3's step and hooks, ZeRO-1/2's overflow.
+"""Patches of DeepSpeed's ZeRO (``deepspeed.runtime.zero``): ZeRO-3's step and hooks, ZeRO-1/2's overflow, and
+``zero.Init``'s move of parameters made on the host.
 
 Upstream writes and reads ZeRO's flat gradient buffer one parameter view at a time, which torch_xla
 lowers as a select (or a replayed slice) over the whole buffer per parameter, and ZeRO-3's autograd
@@ -194,3 +195,35 @@ def stage_1_and_2_has_overflow(original):
         return original(self, partition_gradients)
 
     return has_overflow
+
+
+def _onto_device(param, device) -> None:
+    """Make a host parameter ``param`` an accelerator one in place: the same Python object (modules and the
+    caller's references keep it), its attributes kept, its data on ``device``."""
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import is_zero_param
+    if is_zero_param(param) or param.device.type == torch.device(device).type:
+        return
+    moved = torch.nn.Parameter(param.data.to(device), requires_grad=param.requires_grad)
+    moved.__dict__.update(param.__dict__)
+    torch.utils.swap_tensors(param, moved)
+
+
+def zero_init_moves_host_params(original):
+    """``zero.Init`` moves a parameter made on the host (``torch.FloatTensor(5)``, a constructor its tensor-creation
+    wrappers do not catch) with ``param.data = param.data.to(device)``, which torch refuses for an XLA tensor
+    ("incompatible tensor type"). Such parameters are swapped onto the device first; upstream then finds them there.
+    Wraps ``_post_init_method(module)`` and ``_convert_to_zero_parameters(params)``."""
+
+    @functools.wraps(original)
+    def method(self, module_or_params):
+        import torch
+        if isinstance(module_or_params, torch.nn.Module):
+            params = list(module_or_params.parameters(recurse=False))
+        else:
+            params = module_or_params = list(module_or_params)  # often a generator: upstream iterates it again
+        for param in params:
+            _onto_device(param, self.local_device)
+        return original(self, module_or_params)
+
+    return method

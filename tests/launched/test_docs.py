@@ -293,9 +293,12 @@ def test_relative_links_resolve():
 
 
 def test_ready_configs_are_the_tested_configs():
-    """docs/quickstart.md and docs/configuration.md promise the parity tests' exact configurations."""
+    """docs/quickstart.md, docs/configuration.md and docs/huggingface.md promise the parity tests' exact
+    configurations."""
+    from tests.launched import test_huggingface
     tested = {f"zero{stage}.json": ds_config(stage) for stage in range(4)}
     tested["bf16.json"] = ds_config(2, bf16=True)
     tested["pipe2.json"] = ds_config(0, micro_batch=2, accumulation=4)  # tests/launched/test_pipeline.py's configuration
+    tested["hf_zero2.json"] = test_huggingface.ds_config(2)
     shipped = {path.name: json.loads(path.read_text()) for path in (REPO / "scripts" / "configs").glob("*.json")}
     assert shipped == tested

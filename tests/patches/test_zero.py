@@ -90,3 +90,65 @@ def test_zero3_step_shortcuts_match_upstream():
         assert len(found["norms"]) == 5 * found["sub_groups"]
         assert all(upstream == patched for upstream, patched in found["norms"])
         assert found["signatures"] == 0
+
+
+class _ConvX(torch.nn.Conv1d):
+    """DeepSpeed's ``unit/runtime/zero/test_zero_context.py`` model: a parameter added after ``super().__init__()``,
+    made with a legacy constructor that ``zero.Init``'s tensor-creation wrappers do not catch (a host tensor)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.param_in = torch.nn.Parameter(torch.FloatTensor(5).uniform_())
+
+
+class _ConvNet(torch.nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = _ConvX(1, 3, 4)
+        self.param = torch.nn.Parameter(torch.FloatTensor(5).uniform_())
+
+
+def zero_init_subclass_param():
+    """Run by ``run_ranks``: DeepSpeed's ``TestSerialContext::test_subclass_param`` (its config: ZeRO-3, bf16),
+    printing each parameter's status, where its partition is held and its gathered values."""
+    import json
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    config = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.00015}},
+              "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1}}
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config=config):
+        model = _ConvNet()
+    params = dict(model.named_parameters())
+    statuses = {name: p.ds_status == ZeroParamStatus.NOT_AVAILABLE for name, p in params.items()}
+    held = {name: p.ds_tensor.device.type for name, p in params.items()}
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        gathered = {name: p.detach().float().cpu().tolist() for name, p in params.items()}
+    print(json.dumps({"partitioned": statuses, "held_on": held, "gathered": gathered,
+                      "same_objects": (model.param is params["param"]
+                                       and model.conv1.param_in is params["conv1.param_in"])}))
+
+
+@pytest.mark.parametrize("accelerator", ["xla", "cpu"])
+def test_zero_init_partitions_a_parameter_made_on_the_host(accelerator):
+    """DeepSpeed's own ``test_subclass_param``, on XLA and on DeepSpeed's CPU accelerator: ``zero.Init`` partitions
+    parameters made with ``torch.FloatTensor`` (same objects, partitions on the accelerator). On XLA the module's own
+    parameters draw from the XLA generator, so the two host-made ones are torch's first two CPU draws, kept (in bf16)
+    through the move."""
+    import json
+    from tests.multiproc import run_ranks
+    proc, = run_ranks("tests.patches.test_zero:zero_init_subclass_param", 1, env={"DS_ACCELERATOR": accelerator})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(found["partitioned"]) == {"param", "conv1.weight", "conv1.bias", "conv1.param_in"}
+    assert all(found["partitioned"].values()), found["partitioned"]
+    assert set(found["held_on"].values()) == {accelerator}
+    assert found["same_objects"]
+    shapes = {name: list(torch.tensor(values).shape) for name, values in found["gathered"].items()}
+    assert shapes == {"param": [5], "conv1.weight": [3, 1, 4], "conv1.bias": [3], "conv1.param_in": [5]}
+    if accelerator == "xla":
+        torch.manual_seed(0)
+        first, second = torch.FloatTensor(5).uniform_(), torch.FloatTensor(5).uniform_()
+        for name, drawn in (("conv1.param_in", first), ("param", second)):
+            torch.testing.assert_close(torch.tensor(found["gathered"][name]), drawn.bfloat16().float())

@@ -1,0 +1,124 @@
+"""Fine-tune a small GPT-2 with the Hugging Face Trainer and a DeepSpeed config; runs unchanged on XLA or CPU.
+
+    DS_ACCELERATOR=xla deepspeed --num_gpus 2 scripts/hf_train.py --deepspeed scripts/configs/hf_zero2.json
+    DS_ACCELERATOR=xla torchrun --nproc_per_node 2 scripts/hf_train.py --deepspeed scripts/configs/hf_zero2.json
+    DS_ACCELERATOR=xla accelerate launch --config_file scripts/configs/accelerate_zero2.yaml scripts/hf_train.py
+
+Every ``TrainingArguments`` flag works (``--bf16``, ``--gradient_accumulation_steps``, ``--save_steps``,
+``--resume_from_checkpoint`` ...); the DeepSpeed config's ``"auto"`` values are filled from them. The model is
+built from a ``GPT2Config`` and the data is generated (seeded random token sequences), so nothing is downloaded.
+``--lora`` trains a PEFT LoRA adapter on the frozen model instead (saved to ``<output_dir>/adapter``).
+``--results_out`` writes the logged losses, the trained weights and the XLA graph counters per step as JSON (rank
+r>0 at ``<path>.rank<r>``), which is what the tests compare across accelerators.
+"""
+import dataclasses
+import json
+import os
+from typing import Optional
+
+import torch
+from transformers import (AutoModelForCausalLM, GPT2Config, HfArgumentParser, Trainer, TrainerCallback,
+                          TrainingArguments, set_seed)
+
+
+@dataclasses.dataclass
+class ExampleArguments:
+    vocab: int = 64
+    dim: int = 32
+    layers: int = 2
+    seq: int = 16
+    samples: int = 256
+    model_dir: Optional[str] = dataclasses.field(default=None, metadata={"help": "load the model saved here"})
+    lora: bool = dataclasses.field(default=False, metadata={"help": "train a LoRA adapter (PEFT) on the frozen model"})
+    results_out: Optional[str] = dataclasses.field(default=None, metadata={"help": "write losses and weights here"})
+
+
+class TokenSequences(torch.utils.data.Dataset):
+    """``samples`` random token sequences, the same on every rank and accelerator (the sampler splits them)."""
+
+    def __init__(self, samples: int, seq: int, vocab: int, seed: int):
+        self.tokens = torch.randint(0, vocab, (samples, seq), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, index):
+        tokens = self.tokens[index]  # with the attention mask a tokenizer gives
+        return {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "labels": tokens}
+
+
+def build_model(example: ExampleArguments) -> torch.nn.Module:
+    """GPT-2 from ``--model_dir`` or from a config, without dropout: runs on different accelerators would draw
+    different dropout masks. Built the way HF builds models: under ZeRO-3, partitioned as it is built. Eager
+    attention: with SDPA, transformers reads the attention mask on the host in every forward (docs/huggingface.md)."""
+    if example.model_dir:
+        model = AutoModelForCausalLM.from_pretrained(example.model_dir, attn_implementation="eager")
+    else:
+        model = AutoModelForCausalLM.from_config(GPT2Config(
+            vocab_size=example.vocab, n_positions=example.seq, n_embd=example.dim, n_layer=example.layers, n_head=2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), attn_implementation="eager")
+    if example.lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"],
+                                                 lora_dropout=0.0))
+    return model
+
+
+class Results(TrainerCallback):
+    """Collects what ``--results_out`` writes: each logged loss with its step, XLA graph counters after each step."""
+
+    def __init__(self):
+        self.losses, self.counters = [], []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append([state.global_step, logs["loss"]])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from deepspeed.accelerator import get_accelerator
+        if get_accelerator().device_name() == "xla":
+            from deepspeed_xla.xla_runtime import graph_counters
+            self.counters.append([state.global_step, graph_counters()])
+
+
+def write_results(trainer: Trainer, results: Results, path: str, built_partitioned: bool) -> None:
+    """Every rank's trained weights (gathered under ZeRO-3) with their dtypes, rank 0's logged losses."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    engine = trainer.model_wrapped
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+        named = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
+        weights = {name: p.detach().float().cpu().tolist() for name, p in named}
+        dtypes = {name: str(p.dtype).removeprefix("torch.") for name, p in named}
+    rank = trainer.args.process_index
+    with open(path if rank == 0 else f"{path}.rank{rank}", "w") as handle:
+        json.dump({"logged_losses": results.losses, "counters": results.counters, "rank": rank,
+                   "world_size": trainer.args.world_size, "accelerator": get_accelerator().device_name(),
+                   "engine": type(engine).__name__, "zero_stage": engine.zero_optimization_stage(),
+                   "built_partitioned": built_partitioned,
+                   "params": weights, "param_dtypes": dtypes}, handle)
+
+
+def main(argv=None) -> None:
+    parser = HfArgumentParser((TrainingArguments, ExampleArguments))
+    args, example = parser.parse_args_into_dataclasses(argv)
+    set_seed(args.seed)
+    model = build_model(example)  # after TrainingArguments: under ZeRO-3 the model is built partitioned
+    built_partitioned = all(hasattr(param, "ds_id") for name, param in model.named_parameters() if "lora_" not in name)
+    results = Results()
+    trainer = Trainer(model=model, args=args, callbacks=[results],
+                      train_dataset=TokenSequences(example.samples, example.seq, example.vocab, args.seed))
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    if example.results_out:
+        write_results(trainer, results, example.results_out, built_partitioned)
+    if args.process_index == 0:
+        print(f"trained {trainer.state.global_step} steps on {args.device}: last loss "
+              f"{results.losses[-1][1] if results.losses else float('nan'):.4f}; model {type(trainer.model_wrapped)}",
+              flush=True)
+    if example.lora:  # every rank: under ZeRO-3 the adapter's weights are gathered from all of them
+        trainer.save_model(os.path.join(args.output_dir, "adapter"))
+
+
+if __name__ == "__main__":
+    main()
