@@ -4,8 +4,8 @@
 runtime starts (in a launched worker as soon as torch_xla is imported: ``on_torch_xla_loaded``), so that
 plain subprocess launching (DeepSpeed's launchers, torchrun, MPI, Slurm) gives one process per device. The
 launcher's own check of its host (``check_host_launch``) lives here too: it asks the same question without
-starting anything. ``DS_XLA_COMPILATION_CACHE`` gives each worker
-torch_xla's persistent compilation cache (``compilation_cache_dir``).
+starting anything. ``DS_XLA_COMPILATION_CACHE`` gives each worker torch_xla's persistent compilation cache
+(``compilation_cache_dir``).
 """
 import os
 from typing import Mapping, Optional, Sequence

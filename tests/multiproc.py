@@ -278,8 +278,9 @@ def launch_command(script: Sequence[str], accelerator: Optional[str], num_procs:
 
     ``launcher``: ``deepspeed``, ``torchrun``, ``accelerate`` (``accelerate launch``; ``launcher_args`` name its
     ``--config_file``, which sets the number of processes) or ``python`` (one process), which starts ``python
-    script`` itself, without the ``deepspeed`` runner and its launcher: on XLA the way a user without a launcher does; DeepSpeed's CPU accelerator, which looks
-    for MPI without them, gets the variables a launcher sets for one rank.
+    script`` itself, without the ``deepspeed`` runner and its launcher: on XLA the way a user without a launcher
+    does; DeepSpeed's CPU accelerator, which looks for MPI without them, gets the variables a launcher sets for one
+    rank.
     """
     env, port = clean_env(**{**accelerator_env(accelerator, num_procs), **(extra_env or {})}), str(free_port())
     script = [*map(str, launcher_args), *map(str, script)]

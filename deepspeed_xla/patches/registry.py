@@ -2,8 +2,8 @@
 
 A ``Patch`` names one attribute of DeepSpeed (or of accelerate or transformers, which DeepSpeed runs under), the
 wrapper that replaces it and the digest of the upstream source the wrapper was written against. This module
-imports nothing from deepspeed_xla (only the standard library; DeepSpeed's modules are imported by name when a patch is checked or applied), so the
-subsystem modules and ``__init__``'s table can all build on it.
+imports nothing from deepspeed_xla (only the standard library; the patched modules are imported by name when a
+patch is checked or applied), so the subsystem modules and ``__init__``'s table can all build on it.
 """
 import hashlib
 import importlib
