@@ -11,6 +11,7 @@ host-side step counters such as FusedAdam's bias-correction step), and state tha
 step creates is zeroed rather than absent. ``on_skip`` receives each step's skip flag, on the device.
 """
 import functools
+import types
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -63,8 +64,7 @@ def guard_step(optimizer: torch.optim.Optimizer, norm_of: Callable[[], Optional[
             counted[:] = [norm]
             on_skip(valid.logical_not())
 
-    @functools.wraps(step)
-    def guarded_step(*args, **kwargs):
+    def guarded_step(_optimizer, *args, **kwargs):
         norm = norm_of()
         if not is_device_checked(norm):
             return step(*args, **kwargs)
@@ -84,5 +84,7 @@ def guard_step(optimizer: torch.optim.Optimizer, norm_of: Callable[[], Optional[
                 current.copy_(torch.where(valid, current, old))
         return result
 
-    optimizer.step = guarded_step
+    # A bound method, as ``step`` was: a torch LR scheduler made afterwards (the Trainer's, over DeepSpeed's optimizer)
+    # wraps ``optimizer.step`` through its ``__func__``.
+    optimizer.step = types.MethodType(functools.wraps(step)(guarded_step), optimizer)
     setattr(optimizer, _GUARDED, True)

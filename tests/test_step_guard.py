@@ -52,6 +52,30 @@ def test_guarded_steps_match_host_skips(name, norms, xla_device):
     assert skips == invalid[:len(norms)]
 
 
+def test_lr_scheduler_made_after_the_guard_counts_the_guarded_step(xla_device):
+    """A torch LR scheduler made over a guarded optimizer (the Trainer makes its schedule over DeepSpeed's optimizer
+    after ``deepspeed.initialize``) wraps the guarded step, sees it called, and the step still skips."""
+    import warnings
+    params = _model(xla_device)
+    optimizer = OPTIMIZERS["sgd"](params)
+    norm = [torch.tensor(1.0, device=xla_device)]
+    step_guard.guard_step(optimizer, lambda: norm[0], lambda flag: None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().cpu() for p in params]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" if the step went unseen
+        optimizer.step()
+        scheduler.step()
+    assert scheduler.get_last_lr() == [0.05]
+    moved = [p.detach().cpu() for p in params]
+    assert all(not torch.equal(old, new) for old, new in zip(before, moved))
+    norm[0] = torch.tensor(float("nan"), device=xla_device)
+    optimizer.step()
+    assert all(torch.equal(p.detach().cpu(), old) for p, old in zip(params, moved))
+
+
 def test_skipped_first_step_leaves_zero_state(xla_device):
     device = xla_device
     params = _model(device)
