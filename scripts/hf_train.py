@@ -9,11 +9,16 @@ Every ``TrainingArguments`` flag works (``--bf16``, ``--gradient_accumulation_st
 built from a ``GPT2Config`` and the data is generated (seeded random token sequences), so nothing is downloaded.
 ``--lora`` trains a PEFT LoRA adapter on the frozen model instead (saved to ``<output_dir>/adapter``).
 ``--results_out`` writes the logged losses, the trained weights and the XLA graph counters per step as JSON (rank
-r>0 at ``<path>.rank<r>``), which is what the tests compare across accelerators.
+r>0 at ``<path>.rank<r>``), which is what the tests compare across accelerators. ``--model tinygpt --timings true``
+is how ``python -m deepspeed_xla.bench`` runs it (system ``xla-hf-zero2-2p``): ``scripts/train.py``'s model, each step
+waited for, and train.py's timing fields in the JSON.
 """
 import dataclasses
+import functools
 import json
 import os
+import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -29,7 +34,11 @@ class ExampleArguments:
     seq: int = 16
     samples: int = 256
     model_dir: Optional[str] = dataclasses.field(default=None, metadata={"help": "load the model saved here"})
+    model: str = dataclasses.field(default="gpt2", metadata={"choices": ["gpt2", "tinygpt"],
+                                                             "help": "GPT-2, or scripts/train.py's TinyGPT"})
     lora: bool = dataclasses.field(default=False, metadata={"help": "train a LoRA adapter (PEFT) on the frozen model"})
+    timings: bool = dataclasses.field(default=False, metadata={"help": "wait for the device after every step"})
+    bench_warmup: int = dataclasses.field(default=3, metadata={"help": "steps before the graph counters start"})
     results_out: Optional[str] = dataclasses.field(default=None, metadata={"help": "write losses and weights here"})
 
 
@@ -47,10 +56,30 @@ class TokenSequences(torch.utils.data.Dataset):
         return {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "labels": tokens}
 
 
+@functools.lru_cache(maxsize=None)
+def train_script():
+    """``scripts/train.py`` as a module: its TinyGPT, graph counters and timing measurements."""
+    from deepspeed_xla.bench.example import load_example
+    return load_example(str(Path(__file__).with_name("train.py")))
+
+
+class TinyGPTForTrainer(torch.nn.Module):
+    """``scripts/train.py``'s model with the Trainer's batch names: predicts each next token, returns ``{"loss"}``."""
+
+    def __init__(self, example: ExampleArguments):
+        super().__init__()
+        self.model = train_script().TinyGPT(example.vocab, example.dim, example.layers, seq=example.seq)
+
+    def forward(self, input_ids, labels, attention_mask=None):
+        return {"loss": self.model(input_ids, labels.roll(-1, dims=1))}
+
+
 def build_model(example: ExampleArguments) -> torch.nn.Module:
     """GPT-2 from ``--model_dir`` or from a config, without dropout: runs on different accelerators would draw
     different dropout masks. Built the way HF builds models: under ZeRO-3, partitioned as it is built. Eager
     attention: with SDPA, transformers reads the attention mask on the host in every forward (docs/huggingface.md)."""
+    if example.model == "tinygpt":
+        return TinyGPTForTrainer(example)
     if example.model_dir:
         model = AutoModelForCausalLM.from_pretrained(example.model_dir, attn_implementation="eager")
     else:
@@ -65,20 +94,33 @@ def build_model(example: ExampleArguments) -> torch.nn.Module:
 
 
 class Results(TrainerCallback):
-    """Collects what ``--results_out`` writes: each logged loss with its step, XLA graph counters after each step."""
+    """Collects what ``--results_out`` writes: each logged loss with its step, XLA graph counters after each step
+    (and after ``warmup`` and after the last step, as train.py reads them); with ``timings``, each step's time, the
+    device waited for at its end."""
 
-    def __init__(self):
-        self.losses, self.counters = [], []
+    def __init__(self, warmup: int, timings: bool):
+        self.warmup, self.timings = warmup, timings
+        self.losses, self.step_counters, self.counters, self.step_times = [], [], {}, []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses.append([state.global_step, logs["loss"]])
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step_start = time.perf_counter()
+
     def on_step_end(self, args, state, control, **kwargs):
-        from deepspeed.accelerator import get_accelerator
-        if get_accelerator().device_name() == "xla":
-            from deepspeed_xla.xla_runtime import graph_counters
-            self.counters.append([state.global_step, graph_counters()])
+        train = train_script()
+        if self.timings:
+            train.wait_for_device()
+            self.step_times.append(time.perf_counter() - self.step_start)
+        counters = train.graph_counters()
+        if counters:
+            self.step_counters.append([state.global_step, counters])
+        if state.global_step == self.warmup:
+            self.counters["warm"] = counters
+        if state.global_step == state.max_steps:  # before the last step's logging and the end of training
+            self.counters["end"] = counters
 
 
 def write_results(trainer: Trainer, results: Results, path: str, built_partitioned: bool) -> None:
@@ -92,8 +134,11 @@ def write_results(trainer: Trainer, results: Results, path: str, built_partition
         weights = {name: p.detach().float().cpu().tolist() for name, p in named}
         dtypes = {name: str(p.dtype).removeprefix("torch.") for name, p in named}
     rank = trainer.args.process_index
+    measured = train_script().measurements(engine, results.step_times) if results.timings else {}
     with open(path if rank == 0 else f"{path}.rank{rank}", "w") as handle:
-        json.dump({"logged_losses": results.losses, "counters": results.counters, "rank": rank,
+        json.dump({"logged_losses": results.losses, "losses": [loss for _, loss in results.losses],
+                   "step_counters": results.step_counters, "counters": results.counters, "rank": rank,
+                   **measured,
                    "world_size": trainer.args.world_size, "accelerator": get_accelerator().device_name(),
                    "engine": type(engine).__name__, "zero_stage": engine.zero_optimization_stage(),
                    "built_partitioned": built_partitioned,
@@ -106,7 +151,7 @@ def main(argv=None) -> None:
     set_seed(args.seed)
     model = build_model(example)  # after TrainingArguments: under ZeRO-3 the model is built partitioned
     built_partitioned = all(hasattr(param, "ds_id") for name, param in model.named_parameters() if "lora_" not in name)
-    results = Results()
+    results = Results(example.bench_warmup, example.timings)
     trainer = Trainer(model=model, args=args, callbacks=[results],
                       train_dataset=TokenSequences(example.samples, example.seq, example.vocab, args.seed))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)

@@ -27,7 +27,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--systems", nargs="+", type=parse_system, default=[parse_system(n) for n in DEFAULT_SYSTEMS],
                         metavar="SYSTEM",
-                        help=f"floor or <xla|cpu>-zero<0-3>-<N>p (default: {' '.join(DEFAULT_SYSTEMS)})")
+                        help=f"floor or <xla|cpu>-[hf-]zero<0-3>-<N>p, hf-: through the Hugging Face Trainer "
+                             f"(default: {' '.join(DEFAULT_SYSTEMS)})")
     parser.add_argument("--zero", nargs="+", type=zero_option, default=[], metavar="KEY=JSON",
                         help="extra zero_optimization settings of the DeepSpeed systems, "
                              "e.g. contiguous_gradients=true")
@@ -65,6 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     peak_flops = device_type.peak_bf16_flops()
     rows = [driver.run_system(system, args, train_script, workdir, peak_flops) for system in args.systems]
     results.add_floor_ratios(rows)
+    results.add_loop_ratios(rows, args.systems)
     report = {"command": " ".join(["python -m deepspeed_xla.bench", *(argv if argv is not None else sys.argv[1:])]),
               "model": {"dim": args.dim, "layers": args.layers, "seq": args.seq, "batch": args.batch,
                         "vocab": args.vocab, "matmul_params": matmul_params(args.dim, args.layers, args.vocab),

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from deepspeed_xla.bench.results import bandwidth_summary, summarize
-from deepspeed_xla.bench.systems import System, ds_config
+from deepspeed_xla.bench.systems import LR, WEIGHT_DECAY, System, ds_config
 from deepspeed_xla.launch_env import free_port
 
 
@@ -49,6 +49,21 @@ def read_ranks(path: Path, procs: int) -> List[dict]:
     return [json.loads((path if rank == 0 else Path(f"{path}.rank{rank}")).read_text()) for rank in range(procs)]
 
 
+def trainer_arguments(args: argparse.Namespace, train_script: Path, config: Path, out: Path,
+                      workdir: Path) -> List[str]:
+    """``scripts/hf_train.py`` (beside ``train_script``) training train.py's model on the same config and batches'
+    sizes: the Trainer's own values are the config's (HF refuses a mismatch), a constant learning rate as in
+    train.py, the loss logged once at the end, each step waited for."""
+    return [str(train_script.with_name("hf_train.py")), "--model", "tinygpt", "--timings", "true",
+            "--deepspeed", str(config), "--results_out", str(out), "--output_dir", str(workdir / "hf_output"),
+            "--max_steps", str(args.steps), "--bench_warmup", str(args.warmup),
+            "--per_device_train_batch_size", str(args.batch), "--learning_rate", str(LR),
+            "--weight_decay", str(WEIGHT_DECAY), "--lr_scheduler_type", "constant", "--max_grad_norm", "0",
+            "--logging_steps", str(args.steps), "--save_strategy", "no", "--report_to", "none",
+            "--dim", str(args.dim), "--layers", str(args.layers), "--seq", str(args.seq), "--vocab", str(args.vocab),
+            "--samples", str(args.steps * args.batch * 64), "--seed", str(args.seed)]
+
+
 def run_system(system: System, args: argparse.Namespace, train_script: Path, workdir: Path,
                peak_flops: Optional[float]) -> dict:
     out, log = workdir / f"{system.name}.json", workdir / f"{system.name}.log"
@@ -57,6 +72,10 @@ def run_system(system: System, args: argparse.Namespace, train_script: Path, wor
                "--train-script", str(train_script), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--dim", str(args.dim), "--layers", str(args.layers), "--seq", str(args.seq),
                "--batch", str(args.batch), "--vocab", str(args.vocab), "--seed", str(args.seed)]
+    elif system.trainer:
+        config = workdir / f"{system.name}.config.json"
+        config.write_text(json.dumps(ds_config(system.stage, args.batch, args.zero)))
+        cmd = deepspeed_command(system.procs, trainer_arguments(args, train_script, config, out, workdir))
     else:
         config = workdir / f"{system.name}.config.json"
         config.write_text(json.dumps(ds_config(system.stage, args.batch, args.zero)))

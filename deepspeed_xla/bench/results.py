@@ -9,6 +9,7 @@ from deepspeed_xla.bench.systems import System, flops_per_token
 RATIO_TARGETS = {0: 1.10, 1: 1.10, 2: 1.10, 3: 1.25}  # step time of xla-zero<stage>-1p over the floor's
 BANDWIDTH_TARGET = 0.8  # device all-reduce bandwidth over gloo's
 PARTITION_TARGET = 0.55  # ZeRO-3 device bytes per rank, 2 processes over 1
+TRAINER_TARGET = 1.10  # step time through the Hugging Face Trainer over scripts/train.py's loop
 
 
 
@@ -62,6 +63,16 @@ def add_floor_ratios(rows: List[dict]) -> None:
             row["ratio_to_floor"] = row["median_step_s"] / floor["median_step_s"]
 
 
+def add_loop_ratios(rows: List[dict], systems: List[System]) -> None:
+    """Each Trainer row's step time over the ``scripts/train.py`` row it is compared with, when both ran."""
+    by_name = {row["system"]: row for row in rows if "error" not in row}
+    for system in systems:
+        row, loop = by_name.get(system.name), by_name.get(system.loop)
+        if system.trainer and row and loop:
+            row["ratio_to_loop"] = row["median_step_s"] / loop["median_step_s"]
+            row["loop"] = system.loop
+
+
 def check_targets(report: dict) -> List[dict]:
     """Each target of the issue that this run measured: what, the value, the limit, and whether it is met."""
     checks = []
@@ -76,6 +87,9 @@ def check_targets(report: dict) -> List[dict]:
         if row["accelerator"] == "xla" and row["processes"] == 1 and "ratio_to_floor" in row:
             limit = RATIO_TARGETS[stage]
             check(f"{name} step time / floor", row["ratio_to_floor"], f"<= {limit}", row["ratio_to_floor"] <= limit)
+        if "ratio_to_loop" in row:
+            check(f"{name} step time / {row['loop']}", row["ratio_to_loop"], f"<= {TRAINER_TARGET}",
+                  row["ratio_to_loop"] <= TRAINER_TARGET)
         check(f"{name} compilations after warm-up", row["compilations_after_warmup"], "0",
               row["compilations_after_warmup"] == 0)
         if stage <= 2:
@@ -109,14 +123,17 @@ COLUMNS = [  # header, row key, format of a present value
     ("state MB/rank", "state_bytes_per_rank", _mb),
     ("device MB/rank", "device_bytes_per_rank", _mb),
     ("x floor", "ratio_to_floor", lambda v: f"{v:.2f}"),
+    ("x train.py", "ratio_to_loop", lambda v: f"{v:.2f}"),
     ("MFU", "mfu", lambda v: f"{v:.1%}"),
     ("load", "load_average", lambda v: f"{v:.1f}"),
 ]
 
 
 def format_table(rows: List[dict]) -> str:
-    """The rows as a text table; '-' where a system has no such figure, the MFU column only where one has it."""
-    columns = [c for c in COLUMNS if c[1] != "mfu" or any(row.get("mfu") is not None for row in rows)]
+    """The rows as a text table; '-' where a system has no such figure, the MFU and train.py columns only where one
+    has it."""
+    optional = ("mfu", "ratio_to_loop")
+    columns = [c for c in COLUMNS if c[1] not in optional or any(row.get(c[1]) is not None for row in rows)]
     cells = [[header for header, _, _ in columns]]
     for row in rows:
         cells.append([fmt(row[key]) if row.get(key) is not None else ("failed" if "error" in row and i == 1 else "-")

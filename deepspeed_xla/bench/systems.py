@@ -6,17 +6,25 @@ from dataclasses import dataclass
 from typing import Optional
 
 LR, WEIGHT_DECAY = 0.003, 0.01  # scripts/configs/*.json and train.py --client-optimizer
-SYSTEM_NAME = re.compile(r"(xla|cpu)-zero([0-3])-([1-9][0-9]*)p$")
+SYSTEM_NAME = re.compile(r"(xla|cpu)-(hf-)?zero([0-3])-([1-9][0-9]*)p$")
 DEFAULT_SYSTEMS = ["floor", *(f"xla-zero{stage}-{procs}p" for procs in (1, 2) for stage in range(4)), "cpu-zero0-1p"]
 
 
 @dataclass(frozen=True)
 class System:
-    """One row: ``floor``, or DeepSpeed on accelerator ``xla``/``cpu`` at a ZeRO stage on ``procs`` processes."""
+    """One row: ``floor``, or DeepSpeed on accelerator ``xla``/``cpu`` at a ZeRO stage on ``procs`` processes;
+    ``trainer``: the same model and config trained by the Hugging Face Trainer (``scripts/hf_train.py --model
+    tinygpt``) instead of ``scripts/train.py``'s loop."""
     name: str
     accelerator: str
     stage: int = 0
     procs: int = 1
+    trainer: bool = False
+
+    @property
+    def loop(self) -> str:
+        """The ``scripts/train.py`` system a Trainer system is compared with."""
+        return self.name.replace("-hf-", "-")
 
 
 def parse_system(name: str) -> System:
@@ -24,9 +32,9 @@ def parse_system(name: str) -> System:
         return System(name, "floor")
     match = SYSTEM_NAME.match(name)
     if not match:
-        raise argparse.ArgumentTypeError(f"unknown system {name!r}: name floor or <xla|cpu>-zero<0-3>-<N>p, "
-                                         "e.g. xla-zero3-2p (ZeRO-3 on 2 XLA processes)")
-    return System(name, match[1], int(match[2]), int(match[3]))
+        raise argparse.ArgumentTypeError(f"unknown system {name!r}: name floor or <xla|cpu>-[hf-]zero<0-3>-<N>p, "
+                                         "e.g. xla-zero3-2p (ZeRO-3 on 2 XLA processes; hf-: through the Trainer)")
+    return System(name, match[1], int(match[3]), int(match[4]), trainer=bool(match[2]))
 
 
 def matmul_params(dim: int, layers: int, vocab: int) -> int:

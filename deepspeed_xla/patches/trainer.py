@@ -45,6 +45,8 @@ def grad_norm_read_when_logged(original):
     @functools.wraps(original)
     def _get_grad_norm(self, model, grad_norm=None):
         import torch
+        if self.is_deepspeed_enabled and grad_norm is None:  # no clipping: the engine's norm, as upstream asks
+            grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
         if self.is_deepspeed_enabled and torch.is_tensor(grad_norm):
             return grad_norm.detach()
         return original(self, model, grad_norm=grad_norm)

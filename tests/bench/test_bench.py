@@ -32,8 +32,31 @@ def test_flops_per_token_by_hand():
 def test_system_names():
     assert systems.parse_system("xla-zero3-2p") == systems.System("xla-zero3-2p", "xla", 3, 2)
     assert systems.parse_system("floor") == systems.System("floor", "floor")
-    with pytest.raises(Exception, match="floor or <xla|cpu>-zero<0-3>-<N>p"):
+    trainer = systems.parse_system("xla-hf-zero2-2p")
+    assert trainer == systems.System("xla-hf-zero2-2p", "xla", 2, 2, trainer=True)
+    assert trainer.loop == "xla-zero2-2p"
+    with pytest.raises(Exception, match=r"floor or <xla\|cpu>-\[hf-\]zero<0-3>-<N>p"):
         systems.parse_system("xla-zero4-1p")
+
+
+def test_trainer_system_runs_hf_train_on_train_py_settings(tmp_path):
+    """The Trainer system's arguments parse as hf_train.py's, and give the Trainer train.py's model and settings:
+    the DeepSpeed config's own values (HF stops on a mismatch), no schedule, nothing logged before the end."""
+    from transformers import HfArgumentParser, TrainingArguments
+    from deepspeed_xla.bench import driver
+    hf_train = example.load_example(str(REPO / "scripts" / "hf_train.py"))
+    args = cli.parse_args(["--steps", "12", "--warmup", "4", "--batch", "3", "--dim", "16"])
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(systems.ds_config(2, 3)))
+    command = driver.trainer_arguments(args, REPO / "scripts" / "train.py", config_path, tmp_path / "o.json", tmp_path)
+    assert command[0] == str(REPO / "scripts" / "hf_train.py")
+    trainer, model = HfArgumentParser((TrainingArguments, hf_train.ExampleArguments)).parse_args_into_dataclasses(
+        command[1:])
+    assert (model.model, model.timings, model.bench_warmup, model.dim) == ("tinygpt", True, 4, 16)
+    assert (trainer.max_steps, trainer.logging_steps, trainer.per_device_train_batch_size) == (12, 12, 3)
+    config = systems.ds_config(2, 3)["optimizer"]["params"]
+    assert (trainer.learning_rate, trainer.weight_decay) == (config["lr"], config["weight_decay"])
+    assert str(trainer.lr_scheduler_type) == "SchedulerType.CONSTANT" and trainer.max_grad_norm == 0
 
 
 def _rank(times, warm, end, device_bytes, rss):
@@ -71,12 +94,18 @@ def test_table_marks_missing_figures_and_failures():
     assert lines[3].split() == ["cpu-zero0-1p", "20.0", "500", "-", "-", "-", "512", "0.50", "-", "2.00", "3.5"]
     assert lines[4].split() == ["xla-zero3-2p", "failed"] + ["-"] * 9
     assert "MFU" in results.format_table([dict(rows[0], mfu=0.42)]).splitlines()[0]
+    assert "x train.py" in results.format_table([dict(rows[0], ratio_to_loop=1.05)]).splitlines()[0]
 
 
 def test_targets():
     row = {"system": "xla-zero3-1p", "accelerator": "xla", "zero_stage": 3, "processes": 1, "ratio_to_floor": 1.2,
            "compilations_after_warmup": 0, "executions_per_step": 3.0, "transfers_per_step": 0.0}
-    report = {"systems": [row, dict(row, system="xla-zero2-1p", zero_stage=2)],
+    trainer = dict(row, system="xla-hf-zero2-1p", zero_stage=2, executions_per_step=1.0, median_step_s=1.2)
+    loop = dict(row, system="xla-zero2-1p", zero_stage=2, median_step_s=1.0)
+    results.add_loop_ratios([trainer, loop], [systems.parse_system("xla-hf-zero2-1p"),
+                                             systems.parse_system("xla-zero2-1p")])
+    assert trainer["ratio_to_loop"] == pytest.approx(1.2) and "ratio_to_loop" not in loop
+    report = {"systems": [row, loop, trainer],
               "bandwidth": {"bytes": 64 << 20, "backend": "xla_host", "ratio": 0.7},
               "zero3_partition": {"ratio": 0.5}}
     verdicts = {t["what"]: t["met"] for t in results.check_targets(report)}
@@ -85,6 +114,9 @@ def test_targets():
         "xla-zero3-1p device->host transfers per step": True,  # ZeRO-3 has no one-execution target
         "xla-zero2-1p step time / floor": False, "xla-zero2-1p compilations after warm-up": True,
         "xla-zero2-1p executions per step": False, "xla-zero2-1p device->host transfers per step": True,
+        "xla-hf-zero2-1p step time / floor": False, "xla-hf-zero2-1p step time / xla-zero2-1p": False,
+        "xla-hf-zero2-1p compilations after warm-up": True, "xla-hf-zero2-1p executions per step": True,
+        "xla-hf-zero2-1p device->host transfers per step": True,
         "all-reduce 64 MB, xla_host / gloo bandwidth": False,
         "ZeRO-3 parameter + optimizer bytes per rank, 2 processes / 1": True}
 

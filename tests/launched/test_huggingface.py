@@ -37,13 +37,17 @@ RUNS = {
     "lora-zero3": (3, False, True, "deepspeed", []),
 }
 RESUMED = ("zero2", "zero3")
+# Runs whose DeepSpeed config has no scheduler: the Trainer makes its own (linear decay after a warm-up) over
+# DeepSpeed's optimizer, as most HF configs do.
+TRAINER_SCHEDULED = ("zero1", )
 # bf16 losses: the XLA and CPU runs round the same bf16 forward differently, by a few bf16 steps of the loss
 # (2^-8 = 3.9e-3 of it each); the bf16 parameters by a bf16 step of a weight and a few Adam steps of lr (multiproc).
 LOSS_RTOL = {False: 1e-4 / 3.0, True: 3 * 2 ** -8}
 
 
-def ds_config(stage: int) -> dict:
-    """The config a user writes for the Trainer: every value HF knows given as ``"auto"``."""
+def ds_config(stage: int, scheduler: bool = True) -> dict:
+    """The config a user writes for the Trainer: every value HF knows given as ``"auto"``; ``scheduler``: DeepSpeed's
+    WarmupLR, else the Trainer's own schedule."""
     config = {key: "auto" for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                                       "gradient_clipping", "train_batch_size")}
     config.update({"optimizer": {"type": "AdamW", "params": {key: "auto" for key in ("lr", "betas", "eps",
@@ -51,6 +55,8 @@ def ds_config(stage: int) -> dict:
                    "scheduler": {"type": "WarmupLR", "params": {key: "auto" for key in (
                        "warmup_min_lr", "warmup_max_lr", "warmup_num_steps")}},
                    "zero_optimization": {"stage": stage}, "bf16": {"enabled": "auto"}})
+    if not scheduler:
+        del config["scheduler"]
     if stage == 3:
         config["zero_optimization"].update(stage3_param_persistence_threshold=0,
                                            stage3_gather_16bit_weights_on_model_save=True)
@@ -82,7 +88,7 @@ class HfRuns:
         workdir = self.root / name / accelerator
         workdir.mkdir(parents=True, exist_ok=True)
         config_path = workdir / "ds_config.json"
-        config_path.write_text(json.dumps(ds_config(stage)))
+        config_path.write_text(json.dumps(ds_config(stage, scheduler=name not in TRAINER_SCHEDULED)))
         label = f"{name}-resumed" if resume else name
         args = [*TRAINER_ARGS, *extra, "--output_dir", workdir / "out", "--model_dir", self.model_dir,
                 "--results_out", workdir / f"{label}.json"]
@@ -256,7 +262,7 @@ def test_trainer_steps_read_the_device_only_to_log(hf_runs):
     """After warm-up a Trainer step compiles nothing and reads nothing back from the device; a logging step reads
     what it logs (the loss gathered over ranks, the gradient norm). The accelerate run logs every second step: the
     counters after step s cover step s and the logging of step s-1."""
-    counters = dict((step, figures) for step, figures in hf_runs.results["zero2-bf16/xla"]["counters"])
+    counters = dict((step, figures) for step, figures in hf_runs.results["zero2-bf16/xla"]["step_counters"])
     steps = {step: {key: counters[step][key] - counters[step - 1][key] for key in counters[step]}
              for step in range(4, STEPS + 1)}
     assert all(figures["compilations"] == 0 for figures in steps.values()), steps
