@@ -39,24 +39,40 @@ def test_system_names():
         systems.parse_system("xla-zero4-1p")
 
 
+# Parses the Trainer system's arguments as hf_train.py does, in a process of its own: TrainingArguments with a
+# DeepSpeed config set up torch.distributed.
+PARSE_TRAINER_ARGUMENTS = """
+import json, sys
+from transformers import HfArgumentParser, TrainingArguments
+from deepspeed_xla.bench.example import load_example
+hf_train = load_example(sys.argv[1])
+trainer, model = HfArgumentParser((TrainingArguments, hf_train.ExampleArguments)).parse_args_into_dataclasses(
+    sys.argv[2:])
+print(json.dumps({"model": [model.model, model.timings, model.bench_warmup, model.dim],
+                  "trainer": [trainer.max_steps, trainer.logging_steps, trainer.per_device_train_batch_size],
+                  "optimizer": [trainer.learning_rate, trainer.weight_decay], "clipping": trainer.max_grad_norm,
+                  "schedule": str(trainer.lr_scheduler_type)}))
+"""
+
+
 def test_trainer_system_runs_hf_train_on_train_py_settings(tmp_path):
     """The Trainer system's arguments parse as hf_train.py's, and give the Trainer train.py's model and settings:
     the DeepSpeed config's own values (HF stops on a mismatch), no schedule, nothing logged before the end."""
-    from transformers import HfArgumentParser, TrainingArguments
     from deepspeed_xla.bench import driver
-    hf_train = example.load_example(str(REPO / "scripts" / "hf_train.py"))
     args = cli.parse_args(["--steps", "12", "--warmup", "4", "--batch", "3", "--dim", "16"])
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(systems.ds_config(2, 3)))
     command = driver.trainer_arguments(args, REPO / "scripts" / "train.py", config_path, tmp_path / "o.json", tmp_path)
     assert command[0] == str(REPO / "scripts" / "hf_train.py")
-    trainer, model = HfArgumentParser((TrainingArguments, hf_train.ExampleArguments)).parse_args_into_dataclasses(
-        command[1:])
-    assert (model.model, model.timings, model.bench_warmup, model.dim) == ("tinygpt", True, 4, 16)
-    assert (trainer.max_steps, trainer.logging_steps, trainer.per_device_train_batch_size) == (12, 12, 3)
+    proc = run_command([sys.executable, "-c", PARSE_TRAINER_ARGUMENTS, *command], 300, cwd=tmp_path,
+                       env=clean_env(DS_ACCELERATOR="xla"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parsed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert parsed["model"] == ["tinygpt", True, 4, 16]
+    assert parsed["trainer"] == [12, 12, 3]
     config = systems.ds_config(2, 3)["optimizer"]["params"]
-    assert (trainer.learning_rate, trainer.weight_decay) == (config["lr"], config["weight_decay"])
-    assert str(trainer.lr_scheduler_type) == "SchedulerType.CONSTANT" and trainer.max_grad_norm == 0
+    assert parsed["optimizer"] == [config["lr"], config["weight_decay"]]
+    assert parsed["schedule"] == "SchedulerType.CONSTANT" and parsed["clipping"] == 0
 
 
 def _rank(times, warm, end, device_bytes, rss):
