@@ -152,15 +152,16 @@ def main(argv=None) -> None:
     model = build_model(example)  # after TrainingArguments: under ZeRO-3 the model is built partitioned
     built_partitioned = all(hasattr(param, "ds_id") for name, param in model.named_parameters() if "lora_" not in name)
     results = Results(example.bench_warmup, example.timings)
-    trainer = Trainer(model=model, args=args, callbacks=[results],
+    # Only for --results_out: reading the graph counters after each step waits for the device.
+    trainer = Trainer(model=model, args=args, callbacks=[results] if example.results_out else [],
                       train_dataset=TokenSequences(example.samples, example.seq, example.vocab, args.seed))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if example.results_out:
         write_results(trainer, results, example.results_out, built_partitioned)
     if args.process_index == 0:
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         print(f"trained {trainer.state.global_step} steps on {args.device}: last loss "
-              f"{results.losses[-1][1] if results.losses else float('nan'):.4f}; model {type(trainer.model_wrapped)}",
-              flush=True)
+              f"{losses[-1] if losses else float('nan'):.4f}; model {type(trainer.model_wrapped)}", flush=True)
     if example.lora:  # every rank: under ZeRO-3 the adapter's weights are gathered from all of them
         trainer.save_model(os.path.join(args.output_dir, "adapter"))
 
