@@ -517,16 +517,24 @@ def within(actual, expected, atol: float, rtol: float) -> bool:
 def assert_trains_like(xla: dict, cpu: dict, dtype: str, loss_tolerance: Optional[dict] = None) -> None:
     """``xla`` and ``cpu`` (``run_training`` results of one training) agree: rank 0's per-step losses, and every
     rank's final weights, which both hold in ``dtype`` (the module's weights DeepSpeed trains, not fp32 masters)."""
-    import torch
     assert (xla["accelerator"], cpu["accelerator"]) == ("xla", "cpu")
     assert xla["world_size"] == cpu["world_size"] and xla["first_step"] == cpu["first_step"]
     assert len(xla["losses"]) == len(cpu["losses"]) > 0 and all(map(math.isfinite, xla["losses"])), xla["losses"]
     tolerance = loss_tolerance or LOSS_TOLERANCE[dtype]
     assert within(xla["losses"], cpu["losses"], **tolerance), (
         f"losses differ beyond {tolerance}:\nxla {xla['losses']}\ncpu {cpu['losses']}")
+    assert_weights_like(xla, cpu, dtype)
+
+
+def assert_weights_like(xla: dict, cpu: dict, dtype: str, key_bias: Tuple[str, float] = ("qkv.bias", KEY_BIAS_ATOL)
+                        ) -> None:
+    """Every rank's final weights in ``xla`` and ``cpu`` agree within ``PARAM_TOLERANCE``, both held in ``dtype``;
+    ``key_bias``: the name ending of the model's query-key-value bias and the tolerance of its key third."""
+    import torch
+    suffix, key_bias_atol = key_bias
     for mine, theirs in zip(ranks(xla), ranks(cpu), strict=True):
         rank = mine["rank"]
-        assert mine["params"].keys() == theirs["params"].keys(), rank
+        assert mine["params"].keys() == theirs["params"].keys() != set(), rank
         assert set(mine["param_dtypes"].values()) == set(theirs["param_dtypes"].values()) == {dtype}, (
             rank, mine["param_dtypes"], theirs["param_dtypes"])
         for name, values in mine["params"].items():
@@ -536,9 +544,9 @@ def assert_trains_like(xla: dict, cpu: dict, dtype: str, loss_tolerance: Optiona
                 assert torch.equal(values.bfloat16().double(), values), f"rank {rank}: {name} is not bf16"
             assert values.shape == expected.shape, (rank, name)
             atol = torch.full_like(expected, PARAM_TOLERANCE[dtype]["atol"])
-            if name.endswith("qkv.bias"):
+            if name.endswith(suffix):
                 third = len(expected) // 3
-                atol[third:2 * third] = KEY_BIAS_ATOL
+                atol[third:2 * third] = key_bias_atol
             differs = (values - expected).abs() > atol + PARAM_TOLERANCE[dtype]["rtol"] * expected.abs()
             assert not differs.any(), (f"rank {rank}: {name} differs at {differs.nonzero().flatten().tolist()[:5]}: "
                                        f"{values[differs].tolist()[:5]} vs {expected[differs].tolist()[:5]}")

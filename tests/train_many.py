@@ -2,14 +2,18 @@
 launched job.
 
     deepspeed --num_gpus 2 tests/train_many.py --runs runs.json
-    # runs.json: [{"args": [the script's arguments], "hlo_dir": null or where this run's HLO dumps go}, ...]
+    # runs.json: [{"args": [the script's arguments], "hlo_dir": null or where this run's HLO dumps go,
+    #              "env": {variables set for this run only}}, ...]
 
 ``tests.multiproc.Trainings`` launches the runs of one planned group this way: each is a fresh
 ``deepspeed.initialize`` on a fresh model, and the job's interpreters, imports and runtime start-up are paid
-once instead of once per run. Imports nothing from ``tests`` (no pytest set-up in a launched worker).
+once instead of once per run. A run's ``env`` is what its launch would have exported differently (``accelerate
+launch`` of another accelerate config file names another DeepSpeed config). Imports nothing from ``tests`` (no
+pytest set-up in a launched worker).
 """
 import argparse
 import json
+import os
 from pathlib import Path
 
 from deepspeed_xla.bench.example import load_example
@@ -32,7 +36,11 @@ def main() -> None:
     from deepspeed.utils import groups
     linear, mpu = torch.nn.functional.linear, groups.mpu
     for run in json.loads(Path(args.runs).read_text()):
+        before = dict(os.environ)
+        os.environ.update(run.get("env", {}))
         train.main(run["args"])
+        os.environ.clear()
+        os.environ.update(before)
         # What DeepSpeed leaves to the rest of a process, which the next run (in a job of its own) would not
         # find: ZeRO-3's memory-efficient torch.nn.functional.linear ("This will persist unless manually
         # reset", it logs), a pipeline engine's grid in deepspeed.utils.groups.mpu, and the ZeRO optimizer
