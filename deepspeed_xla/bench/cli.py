@@ -25,6 +25,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the systems this many times in turn, keeping each one's median run: a ratio of two "
+                             "systems then compares runs made under the same machine load")
     parser.add_argument("--systems", nargs="+", type=parse_system, default=[parse_system(n) for n in DEFAULT_SYSTEMS],
                         metavar="SYSTEM",
                         help=f"floor or <xla|cpu>-[hf-]zero<0-3>-<N>p, hf-: through the Hugging Face Trainer "
@@ -47,6 +50,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}: raise --steps")
     if args.dim % 2:
         parser.error(f"--dim {args.dim} does not split into TinyGPT's 2 attention heads: pass an even width")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if args.bandwidth_iters < 1:
         parser.error("--bandwidth-iters must be at least 1")
     args.zero = dict(args.zero)
@@ -64,14 +69,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0]
     peak_flops = device_type.peak_bf16_flops()
-    rows = [driver.run_system(system, args, train_script, workdir, peak_flops) for system in args.systems]
+    turns = [workdir] if args.repeats == 1 else [workdir / f"repeat{turn}" for turn in range(args.repeats)]
+    for turn in turns:
+        turn.mkdir(exist_ok=True)
+    rounds = [[driver.run_system(system, args, train_script, turn, peak_flops) for system in args.systems]
+              for turn in turns]
+    rows = [results.median_run(list(runs)) for runs in zip(*rounds)]
     results.add_floor_ratios(rows)
     results.add_loop_ratios(rows, args.systems)
     report = {"command": " ".join(["python -m deepspeed_xla.bench", *(argv if argv is not None else sys.argv[1:])]),
               "model": {"dim": args.dim, "layers": args.layers, "seq": args.seq, "batch": args.batch,
                         "vocab": args.vocab, "matmul_params": matmul_params(args.dim, args.layers, args.vocab),
                         "flops_per_token": flops_per_token(args.dim, args.layers, args.vocab, args.seq)},
-              "steps": args.steps, "warmup": args.warmup, "device": device_type.pjrt_name, "cpus": os.cpu_count(),
+              "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "device": device_type.pjrt_name,
+              "cpus": os.cpu_count(),
               "zero_options": args.zero, "systems": rows,
               "bandwidth": None if args.skip_bandwidth else driver.run_bandwidth(args, workdir),
               "zero3_partition": results.zero3_partition(rows), "workdir": str(workdir)}

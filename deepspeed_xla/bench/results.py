@@ -38,6 +38,16 @@ def summarize(system: System, ranks: List[dict], args: argparse.Namespace, peak_
     return row
 
 
+def median_run(runs: List[dict]) -> dict:
+    """The row of a system's run whose median step time is the median of its ``--repeats`` runs (the lower of the
+    middle two), with every run's in ``repeat_step_s``; a failed run's row if one failed."""
+    failed = [row for row in runs if "error" in row]
+    if failed:
+        return failed[0]
+    ordered = sorted(runs, key=lambda row: row["median_step_s"])
+    return dict(ordered[(len(ordered) - 1) // 2], repeat_step_s=[row["median_step_s"] for row in runs])
+
+
 def bandwidth_summary(result: dict) -> dict:
     device, gloo = statistics.median(result["device_seconds"]), statistics.median(result["gloo_seconds"])
     return {"bytes": result["bytes"], "backend": result["backend"], "device_gb_per_s": result["bytes"] / device / 1e9,
@@ -148,10 +158,11 @@ def format_table(rows: List[dict]) -> str:
 def render(report: dict) -> str:
     """The whole printout: the setup, the table, the all-reduce and ZeRO-3 figures, the targets."""
     model, load = report["model"], report["load_average"]
+    repeats = f", each system's median of {report['repeats']} runs in turn" if report.get("repeats", 1) > 1 else ""
     lines = [f"TinyGPT dim {model['dim']}, {model['layers']} layers, seq {model['seq']}, batch {model['batch']}/rank, "
              f"vocab {model['vocab']}: {model['flops_per_token']:,} FLOPs/token; {report['steps']} steps, medians "
-             f"after {report['warmup']} warm-up; PJRT_DEVICE={report['device']}, {report['cpus']} CPUs, load average "
-             f"{load['start']:.1f} -> {load['end']:.1f}"]
+             f"after {report['warmup']} warm-up{repeats}; PJRT_DEVICE={report['device']}, {report['cpus']} CPUs, load "
+             f"average {load['start']:.1f} -> {load['end']:.1f}"]
     if report.get("zero_options"):
         lines[0] += f"; zero_optimization {json.dumps(report['zero_options'])}"
     lines += ["", format_table(report["systems"])]

@@ -146,9 +146,19 @@ def test_zero_options_reach_every_deepspeed_config():
         cli.parse_args(["--zero", "contiguous_gradients"])
 
 
+def test_repeats_keep_each_systems_median_run():
+    runs = [{"system": "s", "median_step_s": t, "run": i} for i, t in enumerate([0.3, 0.1, 0.2, 0.4])]
+    assert results.median_run(runs) == dict(runs[2], repeat_step_s=[0.3, 0.1, 0.2, 0.4])
+    assert results.median_run(runs[:3])["run"] == 2
+    failed = {"system": "s", "error": "exit code 1"}
+    assert results.median_run([*runs, failed]) == failed
+
+
 def test_bad_arguments_name_the_fix():
     with pytest.raises(SystemExit):
         cli.parse_args(["--steps", "3", "--warmup", "3"])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--repeats", "0"])
     with pytest.raises(SystemExit, match="--train-script"):
         example.find_train_script(str(REPO / "no-such-train.py"))
 
@@ -161,8 +171,8 @@ def test_floor_end_to_end(tmp_path, train_module):
                         "--workdir", str(tmp_path / "work")], 600, cwd=REPO, env=clean_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    assert set(report) == {"command", "model", "steps", "warmup", "device", "cpus", "zero_options", "systems",
-                           "bandwidth", "zero3_partition", "workdir", "load_average", "targets"}
+    assert set(report) == {"command", "model", "steps", "warmup", "repeats", "device", "cpus", "zero_options",
+                           "systems", "bandwidth", "zero3_partition", "workdir", "load_average", "targets"}
     (floor,) = report["systems"]
     assert floor["compilations_after_warmup"] == 0
     assert floor["executions_per_step"] == 1.0
