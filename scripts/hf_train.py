@@ -130,9 +130,8 @@ def write_results(trainer: Trainer, results: Results, path: str, built_partition
     engine = trainer.model_wrapped
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
-        named = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
-        weights = {name: p.detach().float().cpu().tolist() for name, p in named}
-        dtypes = {name: str(p.dtype).removeprefix("torch.") for name, p in named}
+        weights, dtypes = train_script().host_weights(
+            (name, p) for name, p in engine.module.named_parameters() if p.requires_grad)
     rank = trainer.args.process_index
     measured = train_script().measurements(engine, results.step_times) if results.timings else {}
     with open(path if rank == 0 else f"{path}.rank{rank}", "w") as handle:

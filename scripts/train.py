@@ -190,13 +190,24 @@ def plot_losses(losses, first_step: int, title: str, path: str) -> None:
     print(f"loss curve: {os.path.abspath(path)}", flush=True)
 
 
+def host_weights(named_params) -> tuple:
+    """``{name: values as nested lists}`` and ``{name: dtype}``, read back in one transfer: on XLA each parameter
+    read alone is a graph and an execution of its own (ZeRO's parameters are views into flat buffers)."""
+    named = list(named_params)
+    if not named:
+        return {}, {}
+    flat = torch.cat([p.detach().float().flatten() for _, p in named]).cpu()
+    parts = flat.split([p.numel() for _, p in named])
+    return ({name: part.view(p.shape).tolist() for (name, p), part in zip(named, parts)},
+            {name: str(p.dtype).removeprefix("torch.") for name, p in named})
+
+
 def write_results(engine, losses, path: str, counters: dict, first_step: int = 0, measured=None) -> None:
     """Per-step losses (from ``first_step``), trained weights (as floats, with the dtype each is held in), XLA graph
     counters and ``measurements`` as JSON (rank r>0 at ``path.rank<r>``)."""
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
-        weights = {name: p.detach().float().cpu().tolist() for name, p in engine.module.named_parameters()}
-        dtypes = {name: str(p.dtype).removeprefix("torch.") for name, p in engine.module.named_parameters()}
+        weights, dtypes = host_weights(engine.module.named_parameters())
     rank = engine.global_rank
     with open(path if rank == 0 else f"{path}.rank{rank}", "w") as handle:
         json.dump({"losses": losses, "first_step": first_step, "world_size": engine.world_size, "rank": rank,

@@ -36,11 +36,15 @@ def main() -> None:
     from deepspeed.utils import groups
     linear, mpu = torch.nn.functional.linear, groups.mpu
     for run in json.loads(Path(args.runs).read_text()):
-        before = dict(os.environ)
-        os.environ.update(run.get("env", {}))
+        env = run.get("env", {})
+        before = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
         train.main(run["args"])
-        os.environ.clear()
-        os.environ.update(before)
+        for name, value in before.items():  # only the run's own: the first run's set-up filled in others
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
         # What DeepSpeed leaves to the rest of a process, which the next run (in a job of its own) would not
         # find: ZeRO-3's memory-efficient torch.nn.functional.linear ("This will persist unless manually
         # reset", it logs), a pipeline engine's grid in deepspeed.utils.groups.mpu, and the ZeRO optimizer
