@@ -10,7 +10,8 @@ engine) runs the same code as on TPU, where the ``xla_ds`` backend is used inste
 Collectives are queued and run when waited on (``work``). Sends and receives start at once and run
 until their Work is waited on, so paired isend/irecv do not deadlock. Subgroups work as usual:
 ``new_group`` calls the creator again with the group's own store. gloo's timeout is the group's, or
-``DS_XLA_COMM_TIMEOUT``; a failed gloo op names the failed rank (``watchdog``).
+``DS_XLA_COMM_TIMEOUT``; a failed gloo op names the failed rank (``watchdog``). Before a collective runs, the
+members check that they pass it tensors of the same dtypes and sizes (``agreement``).
 """
 import functools
 import os
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, ProcessGroup
 
 from deepspeed_xla.comm import host_buffers, staging, watchdog
+from deepspeed_xla.comm.agreement import Agreement, signature
 from deepspeed_xla.comm.work import ISSUED, HostWork, PendingWork, completed_work as _done, wait_all
 
 BACKEND_NAME = "xla_host"
@@ -48,6 +50,10 @@ _PAIRWISE = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum, dis
 _PAIRWISE_TAG = 1 << 30  # apart from the users' sends and receives (tag 0 by default) that may be in flight
 
 
+def _reduction(op: dist.ReduceOp) -> str:
+    return op.op.name
+
+
 def _gloo_group(store, rank: int, size: int, timeout: timedelta, lazy: bool) -> dist.ProcessGroupGloo:
     """A gloo group; ``lazy`` connects each pair of ranks when they first talk, not all pairs up front.
 
@@ -72,6 +78,7 @@ class HostStagedProcessGroup(ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: timedelta, connect_on_first_use: bool = False):
         super().__init__(rank, size)
         self._gloo = _gloo_group(store, rank, size, timeout, connect_on_first_use)
+        self._agreement = Agreement(self._gloo, rank, size)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -82,6 +89,14 @@ class HostStagedProcessGroup(ProcessGroup):
     @property
     def group_name(self):
         return self._group_name
+
+    def announce(self, signatures: List[str]) -> None:
+        """The signatures of this group's issued collectives about to run (``work.Issued.run``)."""
+        self._agreement.announce(signatures)
+
+    def agree(self, signature_: str) -> None:
+        """Before a collective runs: raises unless every member passes the same (``agreement``)."""
+        self._agreement.agree(signature_)
 
     def _start(self, inputs, outputs, call) -> HostWork:
         """Run the issued collectives, then stage ``inputs`` and start ``call`` (sends and receives)."""
@@ -112,8 +127,9 @@ class HostStagedProcessGroup(ProcessGroup):
             watchdog.explain_failure(error)
         return HostWork(works, outputs, host_out)
 
-    def _run(self, inputs, outputs, call, in_place: bool = True) -> dist.Work:
-        """Issue a collective; it runs when waited on (``work.Issued``). ``in_place``: see ``_launch``.
+    def _run(self, inputs, outputs, call, signature_: str, in_place: bool = True) -> dist.Work:
+        """Issue a collective; it runs when waited on (``work.Issued``). ``signature_``: what every member passes it
+        (``agreement.signature``); ``in_place``: see ``_launch``.
 
         A one-rank group copies on the device instead: staging would cut the step's graph for nothing.
         """
@@ -121,7 +137,7 @@ class HostStagedProcessGroup(ProcessGroup):
             ISSUED.before_now(inputs, outputs)
             staging.copy_local(inputs, outputs)
             return _done(list(outputs))
-        work = PendingWork(self, inputs, outputs, call, in_place)
+        work = PendingWork(self, inputs, outputs, call, in_place, signature_)
         ISSUED.add(work)
         return work
 
@@ -136,21 +152,22 @@ class HostStagedProcessGroup(ProcessGroup):
 
     # all-reduce family
     def allreduce(self, tensors, opts):
-        return self._allreduce(tensors, opts.reduceOp, lambda out: self._gloo.allreduce(out, opts))
+        return self._allreduce("all_reduce", tensors, opts.reduceOp, lambda out: self._gloo.allreduce(out, opts))
 
     def allreduce_coalesced(self, tensors, opts):
         """One all-reduce per tensor (gloo's coalesced one needs a single dtype), staged together."""
         all_opts = dist.AllreduceOptions()
         all_opts.reduceOp = opts.reduceOp
-        return self._allreduce(tensors, opts.reduceOp, lambda out: [self._gloo.allreduce([t], all_opts) for t in out])
+        return self._allreduce("all_reduce_coalesced", tensors, opts.reduceOp,
+                               lambda out: [self._gloo.allreduce([t], all_opts) for t in out])
 
-    def _allreduce(self, tensors, op, on_gloo: Callable) -> dist.Work:
+    def _allreduce(self, name: str, tensors, op, on_gloo: Callable) -> dist.Work:
         """Between two ranks where staging is zero-copy, swap operands (``_pairwise``); else ``on_gloo(host
         buffers)``. The choice never depends on a rank's tensors, so both ranks of a pair make the same."""
-        combine = _PAIRWISE.get(op.op)
+        combine, signed = _PAIRWISE.get(op.op), signature(name, tensors, detail=_reduction(op))
         if self.size() == 2 and combine is not None and staging.zero_copy():
-            return self._run(tensors, tensors, functools.partial(self._pairwise, combine), in_place=False)
-        return self._run(tensors, tensors, lambda _, out: on_gloo(out))
+            return self._run(tensors, tensors, functools.partial(self._pairwise, combine), signed, in_place=False)
+        return self._run(tensors, tensors, lambda _, out: on_gloo(out), signed)
 
     def _pairwise(self, combine: Callable, host_in, host_out) -> dist.Work:
         """All-reduce of two ranks: swap operands whole, then combine the peer's with our own.
@@ -170,18 +187,20 @@ class HostStagedProcessGroup(ProcessGroup):
     def reduce(self, tensors, opts):
         """Only the root's tensors change: gloo scribbles on the others' buffers, which stay on the host."""
         outputs = tensors if self.rank() == opts.rootRank else []
-        return self._run(tensors, outputs, lambda i, o: self._gloo.reduce(o or [staging.writable(t) for t in i], opts))
+        return self._run(tensors, outputs, lambda i, o: self._gloo.reduce(o or [staging.writable(t) for t in i], opts),
+                         signature("reduce", tensors, detail=f"{_reduction(opts.reduceOp)}, root {opts.rootRank}"))
 
     def broadcast(self, tensors, opts):
         inputs = tensors if self.rank() == opts.rootRank else []
-        return self._run(inputs, tensors, lambda _, out: self._gloo.broadcast(out, opts))
+        return self._run(inputs, tensors, lambda _, out: self._gloo.broadcast(out, opts),
+                         signature("broadcast", tensors, detail=f"root {opts.rootRank}"))
 
     # gather family
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts or AllgatherOptions()
         flat = _flatten(output_lists)
-        return self._run(inputs, flat,
-                         lambda i, o: self._gloo.allgather(_unflatten(o, output_lists), i, opts))
+        return self._run(inputs, flat, lambda i, o: self._gloo.allgather(_unflatten(o, output_lists), i, opts),
+                         signature("all_gather", inputs, flat))
 
     def _allgather_base(self, output, input, opts=None):
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -189,23 +208,26 @@ class HostStagedProcessGroup(ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or AllgatherOptions()
         return self._run(inputs, outputs, lambda i, o: [
-            self._gloo._allgather_base(out, inp, opts) for out, inp in zip(_as_1d(o), _as_1d(i))])
+            self._gloo._allgather_base(out, inp, opts) for out, inp in zip(_as_1d(o), _as_1d(i))],
+            signature("all_gather_into_tensor", inputs, outputs))
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         opts = opts or AllgatherOptions()
         flat = _flatten(output_lists)
         return self._run(inputs, flat,
-                         lambda i, o: self._gloo.allgather_coalesced(_unflatten(o, output_lists), i, opts))
+                         lambda i, o: self._gloo.allgather_coalesced(_unflatten(o, output_lists), i, opts),
+                         signature("all_gather_coalesced", inputs, flat))
 
     def gather(self, output_lists, inputs, opts):
         flat = _flatten(output_lists)
-        return self._run(inputs, flat, lambda i, o: self._gloo.gather(_unflatten(o, output_lists), i, opts))
+        return self._run(inputs, flat, lambda i, o: self._gloo.gather(_unflatten(o, output_lists), i, opts),
+                         signature("gather", inputs, detail=f"root {opts.rootRank}"))
 
     # scatter family
     def reduce_scatter(self, outputs, input_lists, opts):
         flat = _flatten(input_lists)
-        return self._run(flat, outputs,
-                         lambda i, o: self._gloo.reduce_scatter(o, _unflatten(i, input_lists), opts))
+        return self._run(flat, outputs, lambda i, o: self._gloo.reduce_scatter(o, _unflatten(i, input_lists), opts),
+                         signature("reduce_scatter", flat, outputs, detail=_reduction(opts.reduceOp)))
 
     def _reduce_scatter_base(self, output, input, opts):
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
@@ -213,19 +235,23 @@ class HostStagedProcessGroup(ProcessGroup):
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         return self._run(inputs, outputs, lambda i, o: [
-            self._gloo._reduce_scatter_base(out, inp, opts) for out, inp in zip(_as_1d(o), _as_1d(i))])
+            self._gloo._reduce_scatter_base(out, inp, opts) for out, inp in zip(_as_1d(o), _as_1d(i))],
+            signature("reduce_scatter_tensor", inputs, outputs, detail=_reduction(opts.reduceOp)))
 
     def scatter(self, outputs, input_lists, opts):
         flat = _flatten(input_lists)
-        return self._run(flat, outputs, lambda i, o: self._gloo.scatter(o, _unflatten(i, input_lists), opts))
+        return self._run(flat, outputs, lambda i, o: self._gloo.scatter(o, _unflatten(i, input_lists), opts),
+                         signature("scatter", outputs, detail=f"root {opts.rootRank}"))
 
     # all-to-all
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
         return self._run([input], [output], lambda i, o: self._gloo.alltoall_base(
-            o[0], i[0], output_split_sizes, input_split_sizes, opts))
+            o[0], i[0], output_split_sizes, input_split_sizes, opts),
+            signature("all_to_all_single", [input, output], sizes=False))
 
     def alltoall(self, outputs, inputs, opts):
-        return self._run(inputs, outputs, lambda i, o: self._alltoall_host(o, i, opts))
+        return self._run(inputs, outputs, lambda i, o: self._alltoall_host(o, i, opts),
+                         signature("all_to_all", [*inputs, *outputs], sizes=False))
 
     def _alltoall_host(self, outputs, inputs, opts):
         """gloo has no list all-to-all: one alltoall_base between flat buffers split by numel."""

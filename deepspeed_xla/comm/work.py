@@ -65,11 +65,13 @@ class Issued:
         self._run_if_any(outputs, self.read | self.written)
 
     def run(self) -> None:
-        """Stage every queued op's operands at once, then run the ops in order. If staging or an op raises, the
-        ops that did not run keep the error: waiting on one of them raises it instead of returning its stale
-        outputs."""
+        """Tell each group's peers what its ops pass (``agreement``), stage every queued op's operands at once, then
+        run the ops in order. If staging or an op raises, the ops that did not run keep the error: waiting on one of
+        them raises it instead of returning its stale outputs."""
         ops, self.ops, self.read, self.written = self.ops, [], set(), set()
         try:
+            for group in dict.fromkeys(op.group for op in ops):
+                group.announce([op.signature for op in ops if op.group is group])
             staged = iter(staging.to_host([t for op in ops for t in op.inputs]))
             for op in ops:
                 op.run([next(staged) for _ in op.inputs])
@@ -86,14 +88,16 @@ ISSUED = Issued()
 class PendingWork(dist.Work):
     """A collective queued in ``ISSUED``: waiting on it runs it and everything issued before it."""
 
-    def __init__(self, group: dist.ProcessGroup, inputs, outputs, call: Callable, in_place: bool):
-        """``group``: the host-staged group whose ``_launch`` runs ``call``."""
+    def __init__(self, group: dist.ProcessGroup, inputs, outputs, call: Callable, in_place: bool, signature: str):
+        """``group``: the host-staged group whose ``_launch`` runs ``call``; ``signature``: what every member of the
+        group passes this collective (``agreement.signature``)."""
         super().__init__()
         self.group, self.inputs, self.outputs, self.call = group, list(inputs), list(outputs), call
-        self.in_place, self.done = in_place, False
+        self.in_place, self.done, self.signature = in_place, False, signature
         self.error: Optional[BaseException] = None  # what stopped the queue before this op ran
 
     def run(self, host_in: List[torch.Tensor]) -> None:
+        self.group.agree(self.signature)
         self.group._launch(self.inputs, host_in, self.outputs, self.call, self.in_place).wait()
         self.done = True
 

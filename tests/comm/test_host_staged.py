@@ -6,6 +6,8 @@ peer then fails on the next collective (or the group's 60 s timeout), so a broke
 the run; ``test_collective[<check>]`` names the first check that failed.
 """
 import math
+import re
+import time
 from datetime import timedelta
 from typing import Callable, List, Tuple
 
@@ -15,10 +17,11 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _coalescing_manager
 
 from deepspeed_xla import comm
-from deepspeed_xla.comm import host_buffers, staging
+from deepspeed_xla.comm import agreement, host_buffers, staging
 from tests.multiproc import run_ranks
 
 WORLD = 2
+TIMEOUT = timedelta(seconds=60)
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 SHAPES = ((7,), (3, 5))
 SUM, MAX, AVG = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG
@@ -514,12 +517,77 @@ def synchronize_runs_issued_collectives(rank):
     expect("all_gather issued before synchronize", gathered, torch.stack([values(r, shape, salt=8) for r in range(WORLD)]))
 
 
+@check
+def ranks_that_wait_at_other_points_agree(rank):
+    """Rank 0 waits on each asynchronous op as it issues it, rank 1 on the last one only: their queues run in other
+    batches, and the ops still agree (``agreement`` compares them op by op) and give the right results. Messages
+    cut at 64 bytes: each batch's signatures take two."""
+    tensors = [xla(values(rank, (7,), salt=salt)) for salt in range(3)]
+    gathered = stale((WORLD * 7,), torch.bfloat16)
+    works = []
+    chunk, agreement.CHUNK = agreement.CHUNK, 64  # the receives the checks before posted have room for more
+    try:
+        for tensor in tensors:
+            works.append(dist.all_reduce(tensor, async_op=True))
+            if rank == 0:
+                works[-1].wait()
+        works.append(dist.all_gather_into_tensor(gathered, xla(values(rank, (7,), torch.bfloat16)), async_op=True))
+        works[-1].wait()
+    finally:
+        agreement.CHUNK = chunk
+    for salt, tensor in enumerate(tensors):
+        expect(f"all_reduce #{salt} waited on {'at once' if rank == 0 else 'last'}", tensor,
+               reduced("SUM", (7,), torch.float32, salt))
+    expect("all_gather_into_tensor after them", gathered,
+           torch.cat([values(r, (7,), torch.bfloat16) for r in range(WORLD)]))
+
+
+# Each op, called with what each rank passes: (shape, dtype) of the operand.
+DISAGREEING = {
+    "all_reduce": lambda shape, dtype: dist.all_reduce(xla(torch.zeros(shape, dtype=dtype))),
+    "all_gather": lambda shape, dtype: dist.all_gather([stale(shape, dtype) for _ in range(WORLD)],
+                                                       xla(torch.zeros(shape, dtype=dtype))),
+    "all_gather_into_tensor": lambda shape, dtype: dist.all_gather_into_tensor(
+        stale((WORLD * shape[0],), dtype), xla(torch.zeros(shape, dtype=dtype))),
+    "broadcast": lambda shape, dtype: dist.broadcast(xla(torch.zeros(shape, dtype=dtype)), src=0),
+    "reduce_scatter": lambda shape, dtype: dist.reduce_scatter(
+        stale(shape, dtype), [xla(torch.zeros(shape, dtype=dtype)) for _ in range(WORLD)]),
+    "reduce_scatter_tensor": lambda shape, dtype: dist.reduce_scatter_tensor(
+        stale(shape, dtype), xla(torch.zeros((WORLD * shape[0],), dtype=dtype))),
+}
+# What rank 0 and rank 1 pass: the larger operand on either rank, and dtypes of the same and of another width.
+MISMATCHES = {"rank 1 larger": (((4,), torch.float32), ((8,), torch.float32)),
+              "rank 0 larger": (((8,), torch.float32), ((4,), torch.float32)),
+              "dtype of the same width": (((4,), torch.float32), ((4,), torch.int32)),
+              "narrower dtype": (((4,), torch.bfloat16), ((4,), torch.float32))}
+
+
+@check
+def disagreeing_ranks_raise(rank):
+    """Ranks that pass a collective operands of other sizes or dtypes each raise one error, the same on both, naming
+    the op and what each rank passed; at once, not gloo's abort, a partial or garbled result, or the timeout."""
+    for op, call in DISAGREEING.items():
+        for case, passed in MISMATCHES.items():
+            started = time.monotonic()
+            with pytest.raises(RuntimeError, match="the same dtypes and sizes") as raised:
+                call(*passed[rank])
+            elapsed, message = time.monotonic() - started, str(raised.value)
+            assert elapsed < TIMEOUT.total_seconds() / 2, f"rank {rank}, {op} {case}: raised after {elapsed:.0f} s"
+            for r, (shape, dtype) in enumerate(passed):
+                operand = re.escape(agreement.describe([torch.empty(shape, dtype=dtype)]))
+                assert re.search(rf"rank {r}: {op}[ (][^;]*{operand}", message), \
+                    f"rank {rank}, {op} {case}: the error does not say rank {r} passed {operand}: {message}"
+            messages = [None] * WORLD
+            dist.all_gather_object(messages, message)
+            assert messages[0] == messages[1], f"{op} {case}: the ranks raised different errors: {messages}"
+
+
 STAGING = {"zero-copy": True, "copies": False}  # PJRT CPU's path, and the TPU side channel's
 
 
 def rank_main() -> None:
     """One rank: join the ``xla_host`` world and run every check in order, for each way of staging."""
-    dist.init_process_group(comm.register_backend("xla_host", host_addressable=True), timeout=timedelta(seconds=60))
+    dist.init_process_group(comm.register_backend("xla_host", host_addressable=True), timeout=TIMEOUT)
     rank = dist.get_rank()
     for name, zero_copy in STAGING.items():
         staging.configure(zero_copy)

@@ -7,10 +7,18 @@ from deepspeed_xla.comm import work
 
 
 class _Group:
-    """Stands in for the host-staged group: each call adds 1 to its output, or raises on the input ``fail_on``."""
+    """Stands in for the host-staged group: each call adds 1 to its output, or raises on the input ``fail_on``; the
+    members disagree on the op whose signature is ``disagree_on``."""
 
-    def __init__(self, fail_on: float = None):
-        self.fail_on, self.calls = fail_on, []
+    def __init__(self, fail_on: float = None, disagree_on: str = None):
+        self.fail_on, self.disagree_on, self.calls, self.announced = fail_on, disagree_on, [], []
+
+    def announce(self, signatures):
+        self.announced.append(list(signatures))
+
+    def agree(self, signature):
+        if signature == self.disagree_on:
+            raise RuntimeError(f"the ranks of a group passed {signature} different tensors")
 
     def _launch(self, inputs, host_in, outputs, call, in_place):
         self.calls.append(float(host_in[0]))
@@ -21,7 +29,8 @@ class _Group:
 
 
 def _issue(group, value: float) -> "work.PendingWork":
-    pending = work.PendingWork(group, [torch.tensor(value)], [torch.zeros(())], call=None, in_place=False)
+    pending = work.PendingWork(group, [torch.tensor(value)], [torch.zeros(())], call=None, in_place=False,
+                               signature=f"op {value}")
     work.ISSUED.add(pending)
     return pending
 
@@ -48,6 +57,19 @@ def test_ops_stopped_by_a_failure_raise_instead_of_returning_stale_outputs():
             stopped.get_future()
     assert group.calls == [1.0, 2.0], "an op after the failure ran"
     assert not work.ISSUED.ops
+
+
+def test_each_group_announces_its_ops_of_a_run_at_once_and_a_disagreement_stops_the_queue():
+    """One message of signatures per group and run (``agreement``); an op the ranks disagree on never reaches gloo,
+    and neither do the ones after it."""
+    group, other = _Group(disagree_on="op 3.0"), _Group()
+    ops = [_issue(group, 1.0), _issue(other, 2.0), _issue(group, 3.0), _issue(other, 4.0)]
+    with pytest.raises(RuntimeError, match="passed op 3.0 different tensors"):
+        ops[-1].wait()
+    assert group.announced == [["op 1.0", "op 3.0"]] and other.announced == [["op 2.0", "op 4.0"]]
+    assert group.calls == [1.0] and other.calls == [2.0]
+    with pytest.raises(RuntimeError, match=r"never ran: .*\(RuntimeError: the ranks of a group passed op 3.0"):
+        ops[3].wait()
 
 
 class _GlooWork:
