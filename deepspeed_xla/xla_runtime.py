@@ -90,11 +90,43 @@ def device(index: int = 0):
     return torch.device("xla", index)
 
 
+class DeviceOutOfMemory(RuntimeError):
+    """An execution (or its compilation) needed more device memory than there is."""
+
+
+def _names_out_of_memory(run):
+    """Raise XLA's out-of-memory errors as one ``DeviceOutOfMemory`` line that names the ways out.
+
+    XLA's text is its status (on TPU followed by pages of the program's largest allocations); a rank's uncaught
+    error is what ``comm.watchdog`` prints on every other rank. The full text stays in the traceback, as the cause.
+    """
+
+    @functools.wraps(run)
+    def named(*args, **kwargs):
+        try:
+            return run(*args, **kwargs)
+        except DeviceOutOfMemory:
+            raise
+        except RuntimeError as error:
+            text = str(error)
+            if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+                raise
+            status = next(line.strip() for line in text.splitlines() if line.strip())
+            raise DeviceOutOfMemory(
+                f"deepspeed_xla: the XLA device ({xr().device_type()}) ran out of memory ({status}): make a step need "
+                "less with a smaller micro batch or sequence, activation checkpointing, ZeRO-3 (parameters "
+                "partitioned) or ZeRO offload (offload_optimizer, offload_param).") from error
+
+    return named
+
+
+@_names_out_of_memory
 def wait_device() -> None:
     """Block until the device finished every queued execution; unlike ``sync`` it cuts no graph."""
     xm().wait_device_ops()
 
 
+@_names_out_of_memory
 def sync(wait: bool = True) -> None:
     """Cut the lazy graph here and, with ``wait``, block until the device finished it."""
     torch_xla().sync()
@@ -172,6 +204,7 @@ def xla_process_group_class() -> type:
     return xla_backend.ProcessGroupXla
 
 
+@_names_out_of_memory
 def to_host(tensors):
     """Materialize XLA tensors with one execution and return CPU copies."""
     tx = torch_xla()
@@ -179,6 +212,7 @@ def to_host(tensors):
     return tx._XLAC._xla_get_cpu_tensors(tensors)
 
 
+@_names_out_of_memory
 def host_views(tensors):
     """Materialize XLA tensors with one execution and return host tensors sharing their buffers (DLPack).
 

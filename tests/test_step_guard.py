@@ -1,4 +1,6 @@
 """The device-side step skip: one graph, no host read, and the same result as skipping on the host."""
+import warnings
+
 import pytest
 import torch
 
@@ -120,3 +122,89 @@ def test_host_parameters_are_checked_on_the_host(xla_device):
         p.grad = torch.ones_like(p)
     optimizer.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before)) and not optimizer.state
+
+
+def _skip_streaks(norms, threshold):
+    """The hand-written reference: (first, last) step numbers (1-based) of each run of ``threshold`` or more invalid
+    norms in a row."""
+    streaks, run = [], 0
+    for step, norm in enumerate(norms, 1):
+        run = run + 1 if not (norm == norm and 0 <= norm < float("inf")) else 0
+        if run == threshold:
+            streaks.append([step - run + 1, step])
+        elif run > threshold:
+            streaks[-1][1] = step
+    return streaks
+
+
+def _counted_steps(device, norms, read_at, monkeypatch, threshold=3):
+    """Guarded AdamW steps with these norms, a ``SkipCounter`` counting them and read after the steps ``read_at``;
+    returns what each read returned and the warnings it gave, and the graph counters of the steps between reads."""
+    monkeypatch.setenv(step_guard.STREAK_ENV, str(threshold))
+    params = _model(device)
+    optimizer = OPTIMIZERS["adamw"](params)
+    counter, norm = step_guard.SkipCounter(), [None]
+    step_guard.guard_step(optimizer, lambda: norm[0], lambda skipped: counter.add(skipped, step))
+    reads, step_counts = [], []
+    for step, value in enumerate(norms, 1):
+        before = xla_runtime.graph_counters()
+        for p in params:
+            p.grad = torch.full_like(p, 0.1)
+        norm[0] = torch.tensor([value]).to(device)  # data (torch_xla makes some scalars graph constants): one graph
+        optimizer.step()
+        xla_runtime.sync()
+        after = xla_runtime.graph_counters()
+        step_counts.append({k: after[k] - before[k] for k in after})
+        if step in read_at:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                total = counter.read()
+            read = xla_runtime.graph_counters()
+            reads.append((total, [str(w.message) for w in caught], {k: read[k] - after[k] for k in read}))
+    return reads, step_counts
+
+
+def test_a_streak_of_skipped_steps_warns_once_when_the_count_is_read(xla_device, monkeypatch):
+    """Steps 3-6 skipped (inf and NaN norms), then step 9 alone: the read after step 5 warns of the streak going on,
+    the next reads warn no more; the counts stay right. Nothing reads the device between reads."""
+    inf, nan = float("inf"), float("nan")
+    norms = [1.0, 2.0, inf, nan, -1.0, inf, 1.0, 2.0, nan, 1.0]
+    read_at = (2, 5, 8, 10)
+    reads, step_counts = _counted_steps(xla_device, norms, read_at, monkeypatch)
+    assert _skip_streaks(norms, 3) == [[3, 6]]
+    invalid = [not (n == n and 0 <= n < inf) for n in norms]
+    assert [total for total, _, _ in reads] == [sum(invalid[:step]) for step in read_at]
+    assert [warned for _, warned, _ in reads] == [[], [reads[1][1][0]], [], []]
+    message = reads[1][1][0]
+    assert "3 optimizer steps in a row were skipped (steps 3-5, and still skipping)" in message, message
+    assert "lower the learning rate" in message and f"{step_guard.STREAK_ENV}=3" in message, message
+    # Each read is one transfer of the counters, which the step's own execution already computed.
+    assert all(counts == {"compilations": 0, "executions": 0, "transfers_to_host": 1} for _, _, counts in reads)
+    # After the first two steps (compilations: the counter's creation, then its steady state), every step is one
+    # execution and no transfer, skipped or not.
+    steady = {"compilations": 0, "executions": 1, "transfers_to_host": 0}
+    assert all(counts == steady for counts in step_counts[2:]), step_counts
+
+
+def test_each_streak_is_named_with_its_steps(xla_device, monkeypatch):
+    """Two streaks between two reads: the warning counts them and names the latest; a streak below the threshold
+    (steps 11-12) is no warning."""
+    inf = float("inf")
+    norms = [1.0, inf, inf, inf, 1.0, inf, inf, inf, inf, 1.0, inf, inf, 1.0]
+    reads, _ = _counted_steps(xla_device, norms, (len(norms), ), monkeypatch, threshold=3)
+    assert _skip_streaks(norms, 3) == [[2, 4], [6, 9]]
+    (total, warned, _), = reads
+    assert total == 9 and len(warned) == 1
+    assert "2 runs of 3 or more skipped steps, the latest: 4 optimizer steps in a row were skipped (steps 6-9)" \
+        in warned[0], warned[0]
+
+
+def test_no_invalid_norm_no_warning(xla_device, monkeypatch):
+    reads, _ = _counted_steps(xla_device, [1.0] * 5, (2, 5), monkeypatch, threshold=1)
+    assert [(total, warned) for total, warned, _ in reads] == [(0, []), (0, [])]
+
+
+def test_streak_threshold_is_a_count(monkeypatch):
+    monkeypatch.setenv(step_guard.STREAK_ENV, "several")
+    with pytest.raises(ValueError, match=f"{step_guard.STREAK_ENV}='several' is not an integer"):
+        step_guard.SkipCounter()
