@@ -250,6 +250,18 @@ def check_op_builders(report: Report) -> None:
     report.row("no XLA implementation", ", ".join(unavailable))
 
 
+def list_refused_settings(report: Report) -> None:
+    """The DeepSpeed config settings ``deepspeed.initialize`` refuses on XLA, so a user learns of them before a run."""
+    try:
+        import deepspeed  # noqa: F401 - first: it binds the accelerator's op builders that config_checks imports
+        from deepspeed_xla.config_checks import refused_settings
+    except Exception as exc:  # noqa: BLE001 - the op builder section has reported the failed import
+        report.row("refused settings", f"unknown ({type(exc).__name__}: {exc})")
+        return
+    for setting, instead in refused_settings():
+        report.row(setting, f"refused; use {instead}")
+
+
 def _found(program: str, path: Optional[str]) -> str:
     if path is None:
         return f"{program}: not found"
@@ -293,6 +305,8 @@ def build_report() -> Report:
     check_accelerator(report, shell)
     report.section("DeepSpeed op builders under the XLA accelerator")
     check_op_builders(report)
+    report.section("DeepSpeed config settings refused at deepspeed.initialize (docs/bad_input.md)")
+    list_refused_settings(report)
     report.section("Multi-node launchers (programs found on PATH; none is started)")
     check_launchers(report)
     return report

@@ -14,10 +14,12 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from deepspeed_xla.launch_env import free_port
 from tests.conftest import FAST_COMPILE, REPO, VENV_BIN, clean_env
+
+T = TypeVar("T")
 
 
 def start_command(cmd, **popen_kwargs) -> subprocess.Popen:
@@ -223,6 +225,27 @@ def run_ranks(target: str, world_size: int, env: Optional[dict] = None, timeout:
         out.close()
         err.close()
     return results
+
+
+def run_rank_records(target: str, accelerator: str, world_size: int, out: Path, out_env: str) -> List[dict]:
+    """``run_ranks(target)`` on ``accelerator`` (``out_env`` names ``out`` to the ranks); every rank must succeed and
+    write its JSON record to ``<out>.rank<N>``, which are returned in rank order."""
+    port = free_port()
+    env = {**accelerator_env(accelerator, world_size), "MASTER_PORT": port, out_env: str(out)}
+    try:
+        procs = run_ranks(target, world_size, env=env, timeout=600, after_import=(out_env, ))
+    finally:
+        remove_cpu_comm_buffers(str(port))
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"{accelerator} rank {rank} failed:\n{proc.stderr[-6000:]}"
+    return [json.loads(Path(f"{out}.rank{rank}").read_text()) for rank in range(world_size)]
+
+
+def on_both_accelerators(launch: Callable[[str, Path], T], workdir: Path) -> Tuple[T, T]:
+    """``(launch("xla", workdir / "xla"), launch("cpu", workdir / "cpu"))``, the two run concurrently."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        jobs = [pool.submit(launch, accelerator, workdir / accelerator) for accelerator in ("xla", "cpu")]
+        return jobs[0].result(), jobs[1].result()
 
 
 TRAIN = REPO / "scripts" / "train.py"

@@ -59,6 +59,8 @@ def test_healthy_cpu_host_with_deepspeed_env(tmp_path, monkeypatch):
     assert _row(out, "DS_ACCELERATOR") == "xla (from .deepspeed_env) [OK]"
     assert _row(out, "FusedAdamBuilder (fused_adam)") == "pure torch, traced into XLA graphs [OK]"
     assert "TransformerBuilder" in _row(out, "no XLA implementation")
+    deepcompile = _row(out, '"compile": {"deepcompile": true}')
+    assert deepcompile == "refused; use engine.compile() (torch.compile, openxla backend)"
     assert "hardware status" not in out  # PJRT CPU is what CI runs
     assert "[FAIL]" not in out and "\033[" not in out  # a pipe gets no colour
     assert out.rstrip().endswith("Result: this host can run DS_ACCELERATOR=xla deepspeed ...")
@@ -157,3 +159,15 @@ def test_launchers_found_on_path_none_started(tmp_path):
     assert _row(out, "--launcher slurm") == f"missing sinfo; srun: {fake_bin / 'srun'}, sinfo: not found"
     assert _row(out, "--launcher openmpi") == "missing mpirun, ompi_info; mpirun: not found, ompi_info: not found"
     assert not ran.exists(), ran.read_text()
+
+
+def test_every_refused_setting_is_listed():
+    """Each check of ``config_checks`` has its row: a new refusal cannot be left out of the report."""
+    listed = report.Report()
+    report.list_refused_settings(listed)
+    from deepspeed_xla import config_checks
+    checks = {check for name, check in vars(config_checks).items() if name.endswith("_problem")}
+    assert checks == set(config_checks._CHECKS)
+    rows = {label: value for label, value, _ in listed.lines}
+    assert len(rows) == len(checks) and all(value.startswith("refused; use ") for value in rows.values()), rows
+    assert rows['1-bit optimizers ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")'] == 'refused; use "Adam"/"AdamW", "Lamb"'

@@ -3,15 +3,16 @@
 The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
 the XLA accelerator is DeepSpeed's. ``tests/patches/test_table.py`` fails when an upstream target changes.
 The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine``, ``zero``, ``precision``,
-``grad_checks``, ``config``, ``launcher``, ``comm``, and the two places where the Hugging Face stack runs
-DeepSpeed (``accelerate``, ``trainer``); ``registry`` defines ``Patch`` and how a patch is checked and
-applied. Their figures: (docs/performance.md, 'Why the patches exist').
+``grad_checks``, ``config``, ``launcher``, ``comm``, ``tensor_parallel``, and the two places where the
+Hugging Face stack runs DeepSpeed (``accelerate``, ``trainer``); ``registry`` defines ``Patch`` and how a patch is
+checked and applied. Their figures: (docs/performance.md, 'Why the patches exist').
 """
 import warnings
 from importlib import metadata
 
 from deepspeed_xla.devices import wants_xla
-from deepspeed_xla.patches import accelerate, comm, config, engine, grad_checks, launcher, precision, trainer, zero
+from deepspeed_xla.patches import (accelerate, comm, config, engine, grad_checks, launcher, precision,
+                                  tensor_parallel, trainer, zero)
 # WRITTEN_FOR, VERSIONS, Patch, is_applied, source_digest and upstream_digest are this package's API too.
 from deepspeed_xla.patches.registry import (VERSIONS, WRITTEN_FOR, Patch, _apply, is_applied, source_digest,
                                             upstream_digest)
@@ -92,6 +93,8 @@ PATCHES = [
     Patch("deepspeed.runtime.config", "", "get_timers_config", config.timers_without_device_wait,
           "f497cad4ad72df4f"),
     Patch("deepspeed.comm.torch", "TorchBackend", "init_device_mesh", comm.init_device_mesh, "6244115c6499f66b"),
+    Patch("deepspeed.module_inject.layers", "TensorParallel_Layer", "move", tensor_parallel.keeps_host_shards_on_host,
+          "3335100d7facc177"),
     Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_PATHS", launcher.runner_env_paths, "d40ac82930b5b28f",
           reads=("main", )),
     Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_NAME", launcher.runner_env_name, "d40ac82930b5b28f",

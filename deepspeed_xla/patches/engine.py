@@ -28,6 +28,9 @@ def keep_parameter_objects():
 
 
 def configure_distributed_model(original):
+    """The engine's move to the device keeps each Parameter object (``keep_parameter_objects``) and its Python
+    attributes: swapping a tensor's contents swaps its ``__dict__`` too, and DeepSpeed reads marks set before the
+    move (MoE's ``allreduce``/``group_name``, AutoTP's checkpoint layout, Megatron's model-parallel attributes)."""
 
     @functools.wraps(original)
     def configure(self, model):
@@ -35,10 +38,13 @@ def configure_distributed_model(original):
         # DeepSpeed's debug name maps hold weakrefs to every parameter, and swapping refuses weakref'd
         # tensors: drop the maps for the move and rebuild them (ids do not change) afterwards.
         debug.debug_clear_module_and_param_names()
+        attributes = [(param, dict(param.__dict__)) for param in model.parameters()]
         try:
             with keep_parameter_objects():
                 return original(self, model)
         finally:
+            for param, saved in attributes:
+                param.__dict__.update(saved)
             debug.debug_extract_module_and_param_names(model)
 
     return configure

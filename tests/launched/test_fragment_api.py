@@ -11,14 +11,13 @@ import json
 import math
 import os
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import pytest
 import torch
 
-from tests.multiproc import accelerator_env, free_port, remove_cpu_comm_buffers, run_ranks
+from tests.multiproc import on_both_accelerators, run_rank_records
 
 WORLD = 2
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -180,24 +179,13 @@ def rank_main() -> None:
 
 
 def launch(accelerator: str, out: Path) -> list:
-    port = free_port()
-    env = {**accelerator_env(accelerator, WORLD), "MASTER_PORT": port, OUT_ENV: str(out)}
-    try:
-        procs = run_ranks(f"{__name__}:rank_main", WORLD, env=env, timeout=600, after_import=(OUT_ENV, ))
-    finally:
-        remove_cpu_comm_buffers(str(port))
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"{accelerator} rank {rank} failed:\n{proc.stderr[-6000:]}"
-    return [json.loads(Path(f"{out}.rank{rank}").read_text()) for rank in range(WORLD)]
+    return run_rank_records(f"{__name__}:rank_main", accelerator, WORLD, out, OUT_ENV)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``(xla, cpu)``: each a list of per-rank records, the two launches run concurrently."""
-    workdir = tmp_path_factory.mktemp("fragment")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        jobs = [pool.submit(launch, accelerator, workdir / accelerator) for accelerator in ("xla", "cpu")]
-        return jobs[0].result(), jobs[1].result()
+    return on_both_accelerators(launch, tmp_path_factory.mktemp("fragment"))
 
 
 def differences(xla: dict, cpu: dict, tolerance: float) -> list:

@@ -15,6 +15,23 @@ def test_keep_parameter_objects_preserves_identity():
     assert model.weight.device.type == "xla"
 
 
+def test_the_move_keeps_parameter_attributes():
+    """Swapping a Parameter's contents swaps its ``__dict__``: the marks DeepSpeed reads after the move (MoE's
+    ``allreduce``/``group_name``) are put back on the same objects, now on the device."""
+    import torch_xla
+    from types import SimpleNamespace
+    model = torch.nn.Linear(3, 2)
+    model.weight.allreduce, model.weight.group_name = False, "ep_size_2"
+
+    def move(self, module):
+        module.to(torch_xla.device())
+
+    patches.engine.configure_distributed_model(move)(SimpleNamespace(), model)
+    assert model.weight.device.type == "xla"
+    assert (model.weight.allreduce, model.weight.group_name) == (False, "ep_size_2")
+    assert not hasattr(model.bias, "allreduce")
+
+
 def _configure_zero(zero_config: dict, module=None, has_moe_layers=False):
     """Run the ``_configure_zero_optimizer`` patch on an engine stand-in; returns DeepSpeed's parsed ZeRO config."""
     from types import SimpleNamespace

@@ -1,0 +1,341 @@
+"""DeepSpeed features a JSON config or one call turns on, on XLA against DeepSpeed's own CPU accelerator:
+activation checkpointing (``deepspeed.checkpointing``), the flops profiler, the CSV monitor, ``engine.compile()`` and
+the inference engine. The features XLA cannot run are refused at ``deepspeed.initialize``
+(``tests/launched/test_bad_input.py``).
+
+One process per accelerator trains every case in turn on a tiny model with the same data and seed (and 2 ranks the
+one case that needs them, activations partitioned across model-parallel ranks); it writes each case's per-step
+losses, final weights and, on XLA, the graph counters after the warm-up steps and at the end. XLA draws dropout masks
+from its own generator, not torch's CPU one: a case with dropout is compared with the same model without
+checkpointing on the same accelerator (the recomputed forward must draw the masks the first forward drew), and with
+the CPU accelerator only without dropout.
+"""
+import csv
+import json
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multiproc import LOSS_TOLERANCE, PARAM_TOLERANCE, on_both_accelerators, run_rank_records, within
+
+STEPS, WARMUP, BATCH, WIDTH = 6, 3, 4, 8
+OUT_ENV = "DSX_TEST_FEATURES_OUT"
+# The config's activation_checkpointing sections: the options that keep fewer activations on the device (one process
+# without model-parallel ranks: a partition is the whole activation), and those that synchronize and time each
+# checkpoint. ``contiguous_memory_optimization`` fails in DeepSpeed 0.19.8's partition_activations on its CPU
+# accelerator as on XLA (IndexError), so it is in neither.
+MEMORY_OPTIONS = {"partition_activations": True, "cpu_checkpointing": True, "number_checkpoints": 2}
+SYNCHRONIZED = {"synchronize_checkpoint_boundary": True, "profile": True}
+
+
+def config(**extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "zero_optimization": {"stage": 0}, "steps_per_print": 1000, **extra}
+
+
+# name: (DeepSpeed config extras, how the blocks run: None, "reentrant" or "non_reentrant", dropout, engine.compile())
+CASES = {
+    "plain": ({}, None, 0.0, False),
+    "checkpointed": ({"activation_checkpointing": {}}, "reentrant", 0.0, False),
+    "non_reentrant": ({"activation_checkpointing": {}}, "non_reentrant", 0.0, False),
+    "memory_options": ({"activation_checkpointing": MEMORY_OPTIONS}, "reentrant", 0.0, False),
+    "synchronized": ({"activation_checkpointing": SYNCHRONIZED}, "reentrant", 0.0, False),
+    "plain_dropout": ({}, None, 0.25, False),
+    "checkpointed_dropout": ({"activation_checkpointing": MEMORY_OPTIONS}, "reentrant", 0.25, False),
+    "non_reentrant_dropout": ({"activation_checkpointing": {}}, "non_reentrant", 0.25, False),
+    "flops_profiler": ({"flops_profiler": {"enabled": True, "profile_step": 2}}, None, 0.0, False),
+    "csv_monitor": ({"csv_monitor": {"enabled": True, "output_path": "MONITOR", "job_name": "features"}}, None, 0.0,
+                    False),
+    "compiled": ({}, None, 0.0, True),
+}
+
+
+class Block(torch.nn.Module):
+    """A residual MLP block (linear, GELU, dropout, linear): the unit DeepSpeed's ``checkpoint`` recomputes. The
+    residual is inside: with ``partition_activations`` DeepSpeed replaces a checkpointed block's input by its
+    partition, so a model must not reuse that tensor after the call (as Megatron's transformer layers do not)."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.GELU(), torch.nn.Dropout(dropout),
+                                       torch.nn.Linear(2 * WIDTH, WIDTH))
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+class Net(torch.nn.Module):
+    """An input layer, two blocks, optionally checkpointed, and a head. The input layer makes the first block's input
+    require a gradient, as DeepSpeed's reentrant ``checkpoint`` needs to give the block's parameters one."""
+
+    def __init__(self, checkpointing, dropout: float):
+        super().__init__()
+        self.embed = torch.nn.Linear(WIDTH, WIDTH)
+        self.blocks = torch.nn.ModuleList(Block(dropout) for _ in range(2))
+        self.head = torch.nn.Linear(WIDTH, 1)
+        self.checkpointing = checkpointing
+
+    def forward(self, x, y):
+        from deepspeed import checkpointing
+        run = {None: lambda block, h: block(h), "reentrant": checkpointing.checkpoint,
+               "non_reentrant": checkpointing.non_reentrant_checkpoint}[self.checkpointing]
+        x = self.embed(x)
+        for block in self.blocks:
+            x = run(block, x)
+        return torch.nn.functional.mse_loss(self.head(x), y)
+
+
+def batch(step: int):
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(BATCH, WIDTH, generator=gen)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def graph_counters() -> dict:
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != "xla":
+        return {}
+    from deepspeed_xla.xla_runtime import graph_counters as counters
+    return counters()
+
+
+def train(name: str, workdir: Path, mpu=None) -> dict:
+    import deepspeed
+    extra, checkpointing, dropout, compiled = CASES[name]
+    ds_config = json.loads(json.dumps(config(**extra)).replace("MONITOR", str(workdir / name)))
+    torch.manual_seed(1234)
+    deepspeed.get_accelerator().manual_seed(1234)
+    model = Net(checkpointing, dropout)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    if checkpointing:
+        deepspeed.checkpointing.configure(mpu, deepspeed_config=ds_config)
+    if compiled:
+        engine.compile()
+    losses, counters, first_params = [], {}, None
+    for step in range(STEPS):
+        if step == WARMUP:
+            counters["warm"] = graph_counters()
+        x, y = batch(step)
+        loss = engine(x.to(engine.device), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+        if step == 0:
+            first_params = host_params(engine)
+    counters["end"] = graph_counters()
+    deepspeed.checkpointing.reset()
+    monitor_dir = str(workdir / name) if "csv_monitor" in extra else None
+    return {"losses": [loss.item() for loss in losses], "counters": counters, "first_params": first_params,
+            "monitor_dir": monitor_dir, "params": host_params(engine)}
+
+
+def host_params(engine) -> dict:
+    return {key: value.detach().cpu().flatten().tolist() for key, value in engine.module.named_parameters()}
+
+
+def rank_main() -> None:
+    """One process: every case in turn; a case that fails records its traceback."""
+    out = Path(os.environ[OUT_ENV])
+    results = {}
+    import deepspeed
+    on_xla = deepspeed.get_accelerator().device_name() == "xla"
+    for name, (_, _, _, compiled) in CASES.items():
+        if compiled and not on_xla:  # compared with the uncompiled CPU run: inductor would build C++ for minutes
+            continue
+        try:
+            results[name] = train(name, out)
+        except Exception:
+            results[name] = {"failed": traceback.format_exc()}
+    try:
+        results["inference"] = infer()
+    except Exception:
+        results["inference"] = {"failed": traceback.format_exc()}
+    Path(f"{out}.rank0").write_text(json.dumps(results))
+
+
+class WorldModelParallel:
+    """An ``mpu`` whose model-parallel group is every rank: each rank holds the same activations, as the ranks of a
+    tensor-parallel layer do, and ``partition_activations`` keeps 1/2 of each on each rank, gathering it for the
+    recomputation."""
+
+    def get_model_parallel_rank(self) -> int:
+        import deepspeed
+        return deepspeed.comm.get_rank()
+
+    def get_model_parallel_world_size(self) -> int:
+        import deepspeed
+        return deepspeed.comm.get_world_size()
+
+    def get_model_parallel_group(self):
+        import deepspeed
+        return deepspeed.comm.get_world_group()
+
+
+def partitioned_main() -> None:
+    """One of 2 ranks: ``partition_activations`` across them, the same batches on both (data parallelism then
+    averages equal gradients: the run is the one-process run)."""
+    import deepspeed
+    deepspeed.init_distributed()
+    out = Path(os.environ[OUT_ENV])
+    record = train("memory_options", out, mpu=WorldModelParallel())
+    Path(f"{out}.rank{deepspeed.comm.get_rank()}").write_text(json.dumps(record))
+
+
+def infer() -> dict:
+    """``deepspeed.init_inference`` (no kernel injection: DeepSpeed's inference kernels are CUDA) on the model's first
+    weights: the loss of each batch, read as it is computed, and the graph counters around the last ones."""
+    import deepspeed
+    torch.manual_seed(1234)
+    engine = deepspeed.init_inference(Net(None, 0.0), dtype=torch.float32)
+    device = deepspeed.get_accelerator().current_device_name()
+    losses, counters = [], {}
+    for step in range(STEPS):
+        if step == WARMUP:
+            counters["warm"] = graph_counters()
+        x, y = batch(step)
+        losses.append(engine(x.to(device), y.to(device)).item())
+    counters["end"] = graph_counters()
+    return {"losses": losses, "counters": counters}
+
+
+def launch(accelerator: str, out: Path) -> dict:
+    return run_rank_records(f"{__name__}:rank_main", accelerator, 1, out, OUT_ENV)[0]
+
+
+def launch_partitioned(accelerator: str, out: Path) -> list:
+    return run_rank_records(f"{__name__}:partitioned_main", accelerator, 2, out, OUT_ENV)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``(xla, cpu)``: the cases' records, the two processes run concurrently."""
+    return on_both_accelerators(launch, tmp_path_factory.mktemp("features"))
+
+
+def counts_per_step(record: dict) -> dict:
+    warm, end = record["counters"]["warm"], record["counters"]["end"]
+    return {key: (end[key] - warm[key]) / (1 if key == "compilations" else STEPS - WARMUP) for key in end}
+
+
+def assert_same_training(xla: dict, cpu: dict, params: str = "params") -> None:
+    for record in (xla, cpu):
+        assert "failed" not in record, record.get("failed")
+    assert within(xla["losses"], cpu["losses"], **LOSS_TOLERANCE["float32"]), (xla["losses"], cpu["losses"])
+    assert xla[params].keys() == cpu[params].keys()
+    for name, values in xla[params].items():
+        assert within(values, cpu[params][name], **PARAM_TOLERANCE["float32"]), name
+
+
+# One graph per step, no host read: the losses stay on the device until the end.
+ONE_GRAPH = {"compilations": 0, "executions": 1, "transfers_to_host": 0}
+
+
+@pytest.mark.parametrize("name", ["checkpointed", "non_reentrant", "memory_options", "synchronized"])
+def test_activation_checkpointing_trains_like_cpu_accelerator(runs, name):
+    """DeepSpeed's reentrant and non-reentrant ``checkpoint`` with the config's activation_checkpointing options: the
+    same losses and weights as the CPU accelerator, and as the model without checkpointing."""
+    xla, cpu = runs
+    assert_same_training(xla[name], cpu[name])
+    assert_same_training(xla[name], cpu["plain"])
+    assert counts_per_step(xla[name]) == CHECKPOINTING_GRAPHS[name]
+
+
+# Per step, after the warm-up. Checkpointing itself keeps the step one graph. ``cpu_checkpointing`` copies each
+# checkpointed block's input to the host: one transfer per block, each running the graph that computes it first.
+# ``synchronize_checkpoint_boundary`` waits for the device where each block's forward and its recomputation start
+# and end, as on CUDA: each wait runs what was traced since the previous one, and the end of one block and the start
+# of the next share theirs (3 waits with work in the forward of 2 blocks, 3 in the backward), then the step's rest.
+CHECKPOINTING_GRAPHS = {"checkpointed": ONE_GRAPH, "non_reentrant": ONE_GRAPH,
+                        "memory_options": {"compilations": 0, "executions": 3, "transfers_to_host": 2},
+                        "synchronized": {"compilations": 0, "executions": 7, "transfers_to_host": 0}}
+
+
+@pytest.mark.parametrize("name, reference", [("checkpointed_dropout", "plain_dropout"),
+                                             ("non_reentrant_dropout", "plain_dropout")])
+def test_recomputed_forward_draws_the_dropout_masks_of_the_first(runs, name, reference):
+    """A checkpointed block's recomputed forward must drop what its first forward dropped (DeepSpeed restores the
+    accelerator's RNG state around it): the first step's loss and weights equal those of the model without
+    checkpointing. XLA's dropout draws from XLA's generator, so the CPU accelerator is no reference here; and the
+    later steps draw from another part of XLA's random stream (setting the seed also moves the seed XLA starts its
+    next graph from), so only the first step is compared on XLA. On the CPU accelerator the whole run."""
+    xla, cpu = runs
+    assert_same_training(cpu[name], cpu[reference])
+    assert "failed" not in xla[name], xla[name].get("failed")
+    assert xla[name]["losses"][0] == pytest.approx(xla[reference]["losses"][0], abs=1e-6)
+    for param, values in xla[name]["first_params"].items():
+        assert within(values, xla[reference]["first_params"][param], **PARAM_TOLERANCE["float32"]), param
+    assert counts_per_step(xla[name]) == CHECKPOINTING_GRAPHS["memory_options" if "checkpointed" in name
+                                                              else "non_reentrant"]
+
+
+def test_flops_profiler_leaves_the_training_alone(runs):
+    """The profiled step (inside the warm-up) cuts the graph at every module; the steps after it run as without it."""
+    xla, cpu = runs
+    assert_same_training(xla["flops_profiler"], cpu["flops_profiler"])
+    assert_same_training(xla["flops_profiler"], cpu["plain"])
+    assert counts_per_step(xla["flops_profiler"]) == ONE_GRAPH
+
+
+def test_csv_monitor_writes_what_the_cpu_accelerator_writes(runs, tmp_path_factory):
+    """The engine logs the learning rate each step, a host number: the files match and no step reads the device."""
+    xla, cpu = runs
+    assert_same_training(xla["csv_monitor"], cpu["csv_monitor"])
+    assert counts_per_step(xla["csv_monitor"]) == ONE_GRAPH
+    written = {}
+    for accelerator in ("xla", "cpu"):
+        folder = Path(xla["csv_monitor"]["monitor_dir"] if accelerator == "xla" else cpu["csv_monitor"]["monitor_dir"])
+        written[accelerator] = {path.relative_to(folder).as_posix(): list(csv.reader(path.open()))
+                                for path in sorted(folder.rglob("*.csv"))}
+    assert written["xla"] == written["cpu"] and written["xla"], written
+    rows = next(iter(written["xla"].values()))
+    assert len(rows) == STEPS + 1, rows  # a header and one row per step
+
+
+def test_engine_compile_trains_like_the_uncompiled_model(runs):
+    """``engine.compile()`` with the accelerator's backend (``openxla``): torch.compile hands the forward and
+    backward graphs to XLA; the same losses and weights as the CPU accelerator without compilation."""
+    xla, cpu = runs
+    assert_same_training(xla["compiled"], cpu["plain"])
+    assert counts_per_step(xla["compiled"]) == COMPILED_GRAPHS
+
+
+# torch.compile's openxla backend runs each graph Dynamo hands it when it is called (the parameters the last step
+# updated are run first, as its inputs), then the forward, the backward and the optimizer step: 4 per step, none
+# compiled again.
+COMPILED_GRAPHS = {"compilations": 0, "executions": 4, "transfers_to_host": 0}
+
+
+def test_inference_engine_computes_what_the_cpu_accelerator_computes(runs):
+    """``deepspeed.init_inference`` without kernel injection: each batch's loss as on the CPU accelerator; reading it
+    runs the batch's one graph."""
+    xla, cpu = runs
+    for record in (xla["inference"], cpu["inference"]):
+        assert "failed" not in record, record.get("failed")
+    assert within(xla["inference"]["losses"], cpu["inference"]["losses"], **LOSS_TOLERANCE["float32"])
+    assert counts_per_step(xla["inference"]) == {"compilations": 0, "executions": 1, "transfers_to_host": 1}
+
+
+@pytest.fixture(scope="module")
+def partitioned(tmp_path_factory):
+    """``(xla, cpu)``: each a list of the 2 ranks' records, the two launches run concurrently."""
+    return on_both_accelerators(launch_partitioned, tmp_path_factory.mktemp("partitioned"))
+
+
+def test_activations_partitioned_across_model_parallel_ranks(partitioned, runs):
+    """``partition_activations`` with an ``mpu`` of 2 ranks: each rank keeps half of each checkpointed input and the
+    recomputation all-gathers it (through host memory on PJRT CPU). Both ranks train as the CPU accelerator's ranks
+    and as one process."""
+    (xla, cpu), (_, one_process) = partitioned, runs
+    for mine, theirs in zip(xla, cpu, strict=True):
+        assert_same_training(mine, theirs)
+        assert_same_training(mine, one_process["plain"])
+        assert counts_per_step(mine) == PARTITIONED_GRAPHS
+
+
+# Per step: a 2-rank ZeRO-0 step's 3 (tests/launched/test_multiprocess_training.py), and for each of the 2 blocks the
+# graph run before its input is copied to the host (cpu_checkpointing) and the one run before the all-gather of its
+# partitions (each staged collective runs the graph computing its operand first).
+PARTITIONED_GRAPHS = {"compilations": 0, "executions": 3 + 2 + 2, "transfers_to_host": 2}
