@@ -2,7 +2,10 @@
 
 DeepSpeed hands its checkpoint engine state dicts that hold XLA tensors. ``torch.save`` pickles those
 as "CPU data, rebuild on xla:0", so the files need torch_xla to load (and fail with DeepSpeed's own
-callable ``map_location``); here every XLA tensor is copied to the host first, all with one execution.
+callable ``map_location``). It also copies each one to the host while pickling and keeps every copy until
+the archive is written: the whole file in host memory. ``save`` writes the same file as ``torch.save`` of
+the tensors' CPU copies, but fetches them from the device in batches of at most ``DS_XLA_SAVE_BATCH_MB``
+while their records are written, so one batch of host copies is alive at a time.
 
 DeepSpeed's rank 0 writes ``latest`` right after its own files, while other ranks may still be writing
 theirs, and rewrites it in place: a rank killed during a save can leave ``latest`` naming an
@@ -10,22 +13,27 @@ incomplete checkpoint, or empty. Here ``latest`` is replaced atomically once eve
 written and flushed. A tag is written aside (``<tag>.saving``) and takes the tag's name only when it is
 complete, so saving a tag again (a "last" or "best" checkpoint) never leaves it half old, half new.
 """
+import collections
 import contextlib
 import copy
 import ctypes
 import errno
+import io
 import os
 import pickle
 import shutil
-from typing import Any, Dict
+import types
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from deepspeed_xla import xla_runtime
+from deepspeed_xla import env_vars, xla_runtime
 
 LATEST = "latest"
 SAVING_SUFFIX = ".saving"
 REPLACED_SUFFIX = ".replaced"  # an old tag moved aside where folders cannot be swapped
+BATCH_ENV = "DS_XLA_SAVE_BATCH_MB"
+DEFAULT_BATCH_MB = 256
 
 
 def _map_tensors(obj: Any, convert) -> Any:
@@ -78,6 +86,132 @@ def to_cpu(state: Any) -> Any:
     return _map_tensors(state, lambda t: hosts.get(id(t), t))
 
 
+def batch_bytes() -> int:
+    """The most bytes of host copies a save holds at once (``DS_XLA_SAVE_BATCH_MB``, megabytes)."""
+    megabytes = env_vars.positive_number(os.environ, BATCH_ENV, "a size in megabytes such as 256")
+    return max(1, int((megabytes or DEFAULT_BATCH_MB) * 2**20))
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class _OnDevice:
+    """Stands where torch's writer expects an XLA tensor's CPU storage: its bytes are fetched when its record is
+    written. The device is "cpu" because the file's tensors are CPU tensors (torch writes them as they are)."""
+    device = torch.device("cpu")
+
+    def __init__(self, tensor: torch.Tensor, index: int):
+        self.tensor, self.index = tensor, index
+        self._cdata = id(self)  # torch keys storages by ``_cdata``: one record per placeholder
+
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def data_ptr(self) -> int:
+        return 0  # no host data: torch's check that one buffer is not saved as two dtypes skips it
+
+
+def _pickle_module(placeholders: List[_OnDevice]) -> Any:
+    """A pickle module whose Pickler writes a plain XLA tensor as torch writes its contiguous CPU copy,
+    over a placeholder storage; other objects (Parameters, CPU tensors) pickle as torch pickles them."""
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            if type(obj) is not torch.Tensor or obj.device.type != "xla":
+                return NotImplemented
+            storage = torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(0), dtype=obj.dtype,
+                                                 _internal=True)
+            storage._untyped_storage = _OnDevice(obj, len(placeholders))
+            placeholders.append(storage._untyped_storage)
+            return (torch._utils._rebuild_tensor_v2, (storage, 0, tuple(obj.size()), _contiguous_strides(obj.size()),
+                                                      obj.requires_grad, collections.OrderedDict()))
+
+    return types.SimpleNamespace(Pickler=Pickler)
+
+
+class _BatchedRecords:
+    """torch's zip writer, handed each placeholder's bytes as its record is written. torch writes the records in
+    the order the pickler made the placeholders, so they are fetched in that order, a batch at a time (one
+    execution and one transfer per batch; a tensor above the limit alone)."""
+
+    def __init__(self, writer, placeholders: List[_OnDevice], limit: int):
+        self._writer, self._placeholders, self._limit = writer, placeholders, limit
+        self._hosts: Dict[int, torch.Tensor] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._writer, name)
+
+    def write_record(self, name: str, data, size: int) -> None:
+        if isinstance(data, _OnDevice):
+            if data.index not in self._hosts:
+                self._fetch(data.index)
+            data = self._hosts.pop(data.index).untyped_storage()
+        self._writer.write_record(name, data, size)
+
+    def _fetch(self, first: int) -> None:
+        batch, total = [], 0
+        for placeholder in self._placeholders[first:]:
+            if batch and total + placeholder.nbytes() > self._limit:
+                break
+            batch.append(placeholder)
+            total += placeholder.nbytes()
+        hosts = xla_runtime.to_host([placeholder.tensor for placeholder in batch])
+        self._hosts.update((placeholder.index, host) for placeholder, host in zip(batch, hosts))
+
+
+class _File(io.FileIO):
+    """The checkpoint file: keeps the OS error of a failed write, which torch's writer reports only as
+    "unexpected pos"."""
+    error: Optional[OSError] = None
+
+    def write(self, data) -> int:
+        try:
+            return super().write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+
+def _rank() -> str:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return f"rank {torch.distributed.get_rank()}"
+    return "this process"
+
+
+def save(state: Any, path: str) -> None:
+    """``torch.save(state, path)`` with XLA tensors written as CPU tensors, at most ``batch_bytes()`` of them in
+    host memory at once; the file is flushed to disk. A failed write removes the file and names it."""
+    placeholders: List[_OnDevice] = []
+    try:
+        handle = _File(path, "w")
+    except OSError as error:
+        raise _write_error(path, error.errno) from error
+    try:
+        with torch.serialization._open_zipfile_writer(handle) as writer:
+            torch.serialization._save(state, _BatchedRecords(writer, placeholders, batch_bytes()),
+                                      _pickle_module(placeholders), torch.serialization.DEFAULT_PROTOCOL, False)
+        os.fsync(handle.fileno())
+    except BaseException as error:
+        handle.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        if handle.error is None:
+            raise
+        raise _write_error(path, handle.error.errno) from error
+    handle.close()
+
+
+def _write_error(path: str, code: int) -> OSError:
+    return OSError(code, f"deepspeed_xla: {_rank()} could not write the checkpoint file {path}: "
+                         f"{os.strerror(code).lower()}. The file is removed and this save is abandoned: `latest` "
+                         "keeps naming the last complete checkpoint. Free space there, or save to another save_dir.")
+
+
 def _fsync(path: str) -> None:
     flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else os.O_RDONLY
     fd = os.open(path, flags)
@@ -87,20 +221,47 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def _writes_with_torch_save(engine) -> bool:
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    return type(engine).save is TorchCheckpointEngine.save and engine.zipfile_serialization
+
+
 class CpuCheckpointEngine:
     """DeepSpeed's checkpoint engine, handed CPU state dicts; written files are flushed to disk.
 
-    Everything but ``save`` goes to the wrapped engine. Storage sharing is not preserved (the host
-    copies are separate tensors), so DeepSpeed skips its own per-tensor clone before saving.
+    Everything but ``save`` goes to the wrapped engine. DeepSpeed's default engine (a ``torch.save``) is
+    replaced by ``save``, which bounds the host copies; other engines take the whole state dict, copied
+    to the host at once. Storage sharing is not preserved (each tensor's copy is separate), so DeepSpeed
+    skips its own per-tensor clone before saving.
     """
 
     def __init__(self, engine):
         self._engine = engine
+        self._deferred: Optional[List[Tuple[int, str]]] = None
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
+    @contextlib.contextmanager
+    def deferring_write_errors(self):
+        """Around a save that every rank runs: a file this rank cannot write (a full disk) is recorded, not
+        raised, so the rank goes on through the save's collectives with the others; each rank then raises
+        the first one (``first_failure``). Raised at once, it would leave the others waiting in a barrier."""
+        self._deferred = []
+        try:
+            yield self._deferred
+        finally:
+            self._deferred = None
+
     def save(self, state_dict, path: str):
+        if _writes_with_torch_save(self._engine):
+            try:
+                return save(state_dict, path)
+            except OSError as error:
+                if self._deferred is None:
+                    raise
+                self._deferred.append((error.errno, error.strerror))
+                return None
         result = self._engine.save(to_cpu(state_dict), path)
         if not self._engine.is_decoupled() and os.path.isfile(path):
             _fsync(path)
@@ -120,6 +281,12 @@ class CpuCheckpointEngine:
 
     def preserves_storage_sharing(self) -> bool:
         return False
+
+
+def first_failure(failures_per_rank: Sequence[Sequence[Tuple[int, str]]]) -> Optional[OSError]:
+    """The error of the lowest rank whose file was not written (``deferring_write_errors``), if any."""
+    first = next((failure for failures in failures_per_rank for failure in failures), None)
+    return None if first is None else OSError(*first)
 
 
 def _other_checkpoints(tag_dir: str) -> str:

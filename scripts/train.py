@@ -30,6 +30,11 @@ CLIENT_OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),  # no step count: a skip is exact
 }
 WARMUP_STEPS = 3  # XLA compiles the step's graphs during the first steps; counters start after them
+# Every stage holding a tied layer saves it under the same names; DeepSpeed's universal checkpoint conversion
+# (ds_to_universal) keeps the first stage's copies of the parameters named here, else the last stage's (whose
+# position table, unused there, never trains).
+PIPELINE_CHECKPOINT_INFO = {"universal_checkpoint_info": {
+    "universal_checkpoint_version": 0.4, "pipeline_replicated_parameter_patterns": [r"tied_modules\."]}}
 
 
 class Block(nn.Module):
@@ -168,12 +173,13 @@ def mean_loss(micro_losses) -> float:
 
 
 def resume(engine, load_dir: str) -> int:
-    """Load the latest checkpoint in ``load_dir``; returns the step to continue from."""
+    """Load the latest checkpoint in ``load_dir``; returns the step to continue from: the one this script saved,
+    else (a checkpoint saved on SIGTERM, which holds no client state) the engine's optimizer step count."""
     load_path, client_state = engine.load_checkpoint(load_dir)
     if load_path is None:
         raise SystemExit(f"--load-dir {load_dir}: no 'latest' checkpoint there; "
-                         "pass a directory written by --save-dir.")
-    return client_state["step"]
+                         "pass a directory written by --save-dir or DS_XLA_CHECKPOINT_ON_SIGTERM.")
+    return client_state.get("step", engine.global_steps)
 
 
 def plot_losses(losses, first_step: int, title: str, path: str) -> None:
@@ -298,7 +304,8 @@ def main(argv=None) -> None:
             print(f"step {step:4d}  loss {step_loss:.4f}  tokens/s {tokens_per_s:,.0f}  "
                   f"device {get_accelerator().current_device_name()}", flush=True)
         if step + 1 in args.save_at:
-            engine.save_checkpoint(args.save_dir, tag=args.save_tag, client_state={"step": step + 1})
+            engine.save_checkpoint(args.save_dir, tag=args.save_tag,
+                                   client_state={"step": step + 1, **(PIPELINE_CHECKPOINT_INFO if pipelined else {})})
 
     if args.steps - first_step > args.warmup_steps:
         counters["end"] = graph_counters()

@@ -13,7 +13,8 @@ A rank that exits normally (``os._exit(0)`` included) marks itself done; rank 0,
 store, exits last. A rank that ended is a failure only for a rank that waits for it in a collective: the
 waiting rank's gloo op fails when the ended process closes its connections, and rank 0, which stays until
 every rank is done, sees the ranks that have waited for several intervals (``waiting()``). A rank that
-gets SIGTERM (preempted) tells the others before it ends (``_Sigterm``).
+gets SIGTERM (preempted) tells the others before it ends (``_Sigterm``), or, when the user asked for a checkpoint on
+SIGTERM, every rank saves one first (``comm/preemption.py``).
 
 The timeout is the process group's (DeepSpeed: ``init_distributed(timeout=...)``, default 10 min,
 ``DEEPSPEED_TIMEOUT`` in minutes); ``DS_XLA_COMM_TIMEOUT`` (seconds) overrides it.
@@ -33,6 +34,7 @@ from typing import Callable, NoReturn, Optional
 import torch.distributed as dist
 
 from deepspeed_xla import env_vars
+from deepspeed_xla.comm.preemption import SAVE_DIR_ENV, CheckpointOnSigterm, save_dir_setting
 
 TIMEOUT_ENV = "DS_XLA_COMM_TIMEOUT"
 EXIT_CODE = 1
@@ -84,7 +86,7 @@ def _local_process_gone(pid: int, started: float) -> bool:
 class Watchdog:
     """The heartbeat thread of one rank (see the module docstring)."""
 
-    def __init__(self, store, rank: int, size: int, timeout: timedelta):
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, checkpoint_dir: Optional[str] = None):
         self.rank, self.size = rank, size
         self.timeout = timeout.total_seconds()
         self.interval = min(max(self.timeout / 10, 0.05), 5.0)
@@ -100,6 +102,10 @@ class Watchdog:
         self._waiting_key: Optional[str] = None  # the wait published under waiting/<rank>, if any
         self.pid = os.getpid()  # a forked child (a DataLoader worker) is not this rank
         self.sigterm: Optional[_Sigterm] = None  # when this rank names SIGTERM to its peers
+        self.checkpoint = None if checkpoint_dir is None else CheckpointOnSigterm(store, rank, checkpoint_dir)
+        self.exit_code = EXIT_CODE  # how this rank ends when it stops for the job's failure
+        self._stopped_by: Optional[int] = None  # the thread that stops this rank, once one does
+        self._stop_lock = threading.RLock()  # re-entered by a signal handler on the main thread
         self._store.set(f"proc/{rank}", f"{pid_namespace()} {os.getpid()} {_process_started(os.getpid())}")
         self._thread = threading.Thread(target=self._run, name="deepspeed_xla-watchdog", daemon=True)
 
@@ -125,7 +131,7 @@ class Watchdog:
             if failure and self._finishing:
                 self.publish(failure)
             elif failure:
-                self.stop_job(failure)
+                self.stop_job(failure, self.exit_code)
 
     def _check_watched(self) -> Optional[str]:
         target = self._next_running()
@@ -215,14 +221,23 @@ class Watchdog:
         """An uncaught exception ends this rank: it is the job's failure, unless another came first
         (then that one is printed, unless it is the same error raised on another rank)."""
         self._raised = True
-        mine = f"rank {self.rank} raised {kind.__name__}: {value}"
+        first_line = next((line for line in str(value).splitlines() if line.strip()), "")
+        mine = f"rank {self.rank} raised {kind.__name__}: {first_line}"  # its own traceback has the rest
         first = self.publish(mine)
         if first.partition(" raised ")[2] != mine.partition(" raised ")[2]:
             sys.stderr.write(f"[deepspeed_xla] rank {self.rank} stops: {first}\n")
 
     def stop_job(self, failure: str, code: int = EXIT_CODE) -> NoReturn:
         """Print the job's first failure and end this process (a collective may hold the main thread). Rank 0's
-        process hosts the store: it stays up until the others read the failure, for a few intervals."""
+        process hosts the store: it stays up until the others read the failure, for a few intervals. Once: a second
+        thread that comes here (the watchdog's, seeing the failure the main thread is stopping for) waits for the
+        first to end the process; a signal handler that interrupts the stop on its own thread lets it go on."""
+        with self._stop_lock:
+            stopping, self._stopped_by = self._stopped_by, self._stopped_by or threading.get_ident()
+        if stopping == threading.get_ident():
+            return  # type: ignore[return-value]  # the interrupted stop ends the process
+        if stopping is not None:
+            threading.Event().wait()
         try:
             failure = self.publish(failure)
             self._store.set(f"stopped/{self.rank}", "1")
@@ -235,11 +250,16 @@ class Watchdog:
                 self._until_every_rank_ended(_WAITS_BEFORE_FAILED * self.interval)
         _real_exit(code)
 
-    def terminated(self) -> NoReturn:
+    def terminated(self) -> None:
         """SIGTERM ends this rank as it would have, telling the peers why; unless it came because the job had
-        already failed (a launcher stops the other ranks of its host when one dies), which stays the cause."""
+        already failed (a launcher stops the other ranks of its host when one dies), which stays the cause. With a
+        checkpoint on SIGTERM asked for, the rank goes on to the checkpoint step instead (SIGTERMs after the first,
+        such as the launcher's own, change nothing)."""
         try:
             failure = self.published_failure() or self._local_peers_gone()
+            if failure is None and self.checkpoint is not None:
+                self.checkpoint.sigterm()
+                return
         except (RuntimeError, OSError):  # the store is gone
             failure = None
         self.stop_job(failure or f"rank {self.rank} got SIGTERM: preempted (a spot VM, a TPU maintenance event), or "
@@ -325,9 +345,15 @@ class Watchdog:
 def start(store, rank: int, size: int, timeout: timedelta) -> None:
     """Start this process's watchdog (once, with the first process group: the world's)."""
     global _watchdog
-    if _watchdog is not None or size < 2:
+    if _watchdog is not None:
         return
-    _watchdog = Watchdog(store, rank, size, timeout)
+    checkpoint_dir = save_dir_setting()
+    if size < 2:
+        if checkpoint_dir is not None:
+            raise ValueError(f"{SAVE_DIR_ENV} is for jobs of 2 or more ranks (it makes them agree on a step to save "
+                             "at), and this one has 1: unset it, and save from a SIGTERM handler of your own.")
+        return
+    _watchdog = Watchdog(store, rank, size, timeout, checkpoint_dir)
     _watchdog.start()
     previous_hook = sys.excepthook
 
@@ -342,6 +368,10 @@ def start(store, rank: int, size: int, timeout: timedelta) -> None:
     atexit.register(_watchdog.finish)
     os._exit = _exit_telling_peers
     _watchdog.sigterm = _Sigterm.catch(_watchdog)
+    if checkpoint_dir is not None and _watchdog.sigterm is None:
+        raise ValueError(f"{SAVE_DIR_ENV} is set, but SIGTERM is handled already (a handler of the script or its "
+                         "framework, or a signal wakeup fd) or the process group was made off the main thread: unset "
+                         f"{SAVE_DIR_ENV}, or let deepspeed_xla handle SIGTERM.")
 
 
 class _Sigterm:
@@ -424,6 +454,19 @@ def _exit_telling_peers(code: int) -> NoReturn:
         except (RuntimeError, OSError):  # the store is gone
             pass
     _real_exit(code)
+
+
+def checkpoint_on_sigterm() -> Optional[CheckpointOnSigterm]:
+    """This rank's side of the checkpoint on SIGTERM, when the user asked for one."""
+    return _watchdog.checkpoint if _watchdog is not None else None
+
+
+def stop_after_checkpoint(save: Callable[[], None], reason: str) -> NoReturn:
+    """Save the checkpoint on SIGTERM, then stop this rank with SIGTERM's exit code. A peer that stops first
+    publishes the same reason, which this rank may read meanwhile: it ends with that code too."""
+    _watchdog.exit_code = TERMINATED_EXIT_CODE
+    save()
+    _watchdog.stop_job(reason, TERMINATED_EXIT_CODE)
 
 
 def waiting():

@@ -74,6 +74,29 @@ def sync_after(original):
     return sync_after
 
 
+def checkpoint_on_sigterm(original):
+    """Save the checkpoint that SIGTERM asked for (``DS_XLA_CHECKPOINT_ON_SIGTERM``), at the end of the step every
+    rank agreed on (``comm/preemption.py``), then stop. Every rank passes here once per optimizer step, the
+    pipeline engine too; the check reads the rendezvous store, not the device. Wraps ``sync_after``: the step's
+    graph is cut before the save reads the state."""
+
+    @functools.wraps(original)
+    def take_model_step(self, *args, **kwargs):
+        from deepspeed_xla.comm import watchdog
+        agreement = watchdog.checkpoint_on_sigterm()
+        if agreement is None:
+            return original(self, *args, **kwargs)
+        agreement.step_started(self.global_steps)
+        result = original(self, *args, **kwargs)
+        if agreement.step_ended(self.global_steps):
+            tag = f"global_step{self.global_steps}"
+            watchdog.stop_after_checkpoint(lambda: self.save_checkpoint(agreement.save_dir, tag=tag),
+                                           agreement.saved(tag))
+        return result
+
+    return take_model_step
+
+
 def configure_zero_optimizer(original):
     """Fit ZeRO's gradient buffers to XLA before ZeRO allocates them.
 
@@ -110,7 +133,7 @@ SKIPPED_STEPS = "xla_skipped_steps"
 
 def _device_skipped_steps(engine) -> int:
     counter = getattr(getattr(engine, "optimizer", None), SKIPPED_STEPS, None)
-    return 0 if counter is None else int(counter.item())
+    return 0 if counter is None else counter.read()
 
 
 def skipped_steps(_upstream_has_none):
@@ -134,8 +157,9 @@ def skipped_steps(_upstream_has_none):
 def configure_optimizer(original):
     """Guard the inner optimizer of every wrapper whose ``is_invalid_grad_norm`` test moved to the device.
 
-    The wrapper's ``xla_skipped_steps``, a device tensor, counts the steps discarded because the
-    gradient norm was invalid; ``engine.skipped_steps`` adds it in.
+    The wrapper's ``xla_skipped_steps`` (``step_guard.SkipCounter``) counts on the device the steps discarded
+    because the gradient norm was invalid, numbered as DeepSpeed's progress log numbers them; ``engine.skipped_steps``
+    adds it in, and warns of a streak of them as it reads it.
     """
 
     @functools.wraps(original)
@@ -150,12 +174,10 @@ def configure_optimizer(original):
         if isinstance(wrapper, (BF16_Optimizer, FP16_Optimizer, FP16_UnfusedOptimizer, DeepSpeedZeroOptimizer,
                                 DeepSpeedZeroOptimizer_Stage3)):
             from deepspeed_xla import step_guard
-
-            def count(skipped):
-                previous = getattr(wrapper, SKIPPED_STEPS, None)
-                setattr(wrapper, SKIPPED_STEPS, skipped.long() if previous is None else previous + skipped.long())
-
-            step_guard.guard_step(wrapper.optimizer, lambda: wrapper._global_grad_norm, count)
+            counter = step_guard.SkipCounter()
+            setattr(wrapper, SKIPPED_STEPS, counter)
+            step_guard.guard_step(wrapper.optimizer, lambda: wrapper._global_grad_norm,
+                                  lambda skipped: counter.add(skipped, self.global_steps + 1))
 
     return configure
 
@@ -204,7 +226,10 @@ def save_checkpoint(original):
     the upstream save writes ``<tag>.saving`` and ends with a barrier that every rank reaches after its
     files; then the rank that made ``save_dir`` (upstream's choice: rank 0, or each node's with node-local
     storage) gives it the tag's name, rank 0 writes ``latest``, and a barrier ends the save as upstream.
-    Decoupled (asynchronous) checkpoint engines write ``latest`` when they commit and are left as they are.
+    A file that a rank cannot write (a full disk) does not stop that rank inside upstream's save, where the
+    others would wait for it in the barrier: after it, every rank learns of it, ``<tag>.saving`` is removed,
+    and every rank raises it. Decoupled (asynchronous) checkpoint engines write ``latest`` when they commit
+    and are left as they are.
     """
 
     @functools.wraps(original)
@@ -219,7 +244,17 @@ def save_checkpoint(original):
         writes_save_dir = (self.local_rank if self.use_node_local_storage() else self.global_rank) == 0
         if writes_save_dir:  # before upstream's first barrier: no rank writes yet
             checkpoint.discard_unfinished(save_dir, tag)
-        result = original(self, save_dir, checkpoint.saving_tag(tag), client_state, False, exclude_frozen_parameters)
+        with self.checkpoint_engine.deferring_write_errors() as failures:
+            result = original(self, save_dir, checkpoint.saving_tag(tag), client_state, False,
+                              exclude_frozen_parameters)
+        failures_per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(failures_per_rank, failures)
+        failure = checkpoint.first_failure(failures_per_rank)
+        if failure is not None:
+            if writes_save_dir:
+                checkpoint.discard_unfinished(save_dir, tag)
+            dist.barrier()  # no rank stops before the unfinished tag is gone
+            raise failure
         if writes_save_dir:
             checkpoint.promote(save_dir, tag)
         if save_latest and self.global_rank == 0:
@@ -254,5 +289,82 @@ def zero_checkpoint_world_size(original):
                 f"then resume from {load_dir} with \"checkpoint\": {{\"load_universal\": true}} in the config "
                 "(docs/checkpoints.md).")
         return original(self, load_dir, tag, load_optimizer_states)
+
+    return load
+
+
+def ranks_agree(original):
+    """Stop at ``deepspeed.initialize`` when the ranks were launched with different configs or package versions.
+
+    Here rather than in ``DeepSpeedConfig``, which a user may build on one rank alone: every rank builds an engine,
+    after the process group exists and before any collective whose shape the config decides.
+    """
+
+    @functools.wraps(original)
+    def configure_with_arguments(self, args, mpu):
+        from deepspeed import comm as dist
+        from deepspeed_xla import rank_agreement
+        rank_agreement.check(self._config._param_dict, dist.all_gather_object, dist.get_world_size())
+        return original(self, args, mpu)
+
+    return configure_with_arguments
+
+
+def _saved_zero_stage(folder: str):
+    """The ZeRO stage of the DeepSpeed config a checkpoint folder was saved with (None: no model file with one).
+
+    Read from its (first) model file, memory-mapped: only the pickled metadata is read, not the weights.
+    """
+    import glob
+    import torch
+    for pattern in ("mp_rank_*_model_states.pt", "zero_pp_rank_*_mp_rank_*_model_states.pt"):
+        found = sorted(glob.glob(os.path.join(glob.escape(folder), pattern)))
+        if found:
+            config = torch.load(found[0], map_location="cpu", mmap=True, weights_only=False).get("ds_config")
+            return config.get("zero_optimization", {}).get("stage", 0) if isinstance(config, dict) else None
+    return None
+
+
+def _stage_change_problem(load_dir: str, tag: str, saved: int, now: int, optimizer_states: bool):
+    """Why DeepSpeed cannot load a checkpoint of ZeRO stage ``saved`` into stage ``now``, with the ways out; None
+    where it can: ZeRO-1 and ZeRO-2 write the same files, and stages 0 and 1-2 share their model file."""
+    folder = os.path.join(load_dir, str(tag))
+    saved_as = f"deepspeed_xla: this checkpoint ({folder}) was saved by ZeRO stage {saved} and is loaded by stage {now}"
+    if (saved == 3) != (now == 3):
+        weights = (f"python {os.path.join(load_dir, 'zero_to_fp32.py')} {load_dir} <output folder> --tag {tag} writes "
+                   "them" if saved else f"they are the \"module\" entry of {os.path.join(folder, '*model_states.pt')}")
+        return (f"{saved_as}. DeepSpeed names and partitions the model files of ZeRO-3 differently: it cannot load "
+                "either into the other, not even converted to a universal checkpoint or without optimizer states. "
+                f"Resume with \"stage\": {saved} in the config; or start stage {now} from the weights alone "
+                f"({weights}) loaded into the model before deepspeed.initialize, with a new optimizer "
+                "(docs/checkpoints.md).")
+    if optimizer_states and (saved == 0) != (now == 0):
+        return (f"{saved_as}. Optimizer states of ZeRO stage 0 and of stages 1-2 are not interchangeable in DeepSpeed. "
+                f"Resume with \"stage\": {saved} in the config; or load the weights and step count alone, with a new "
+                "optimizer: engine.load_checkpoint(..., load_optimizer_states=False) (docs/checkpoints.md).")
+    return None
+
+
+def zero_stage_of_checkpoint(original):
+    """Stop with both ZeRO stages named where DeepSpeed cannot load a checkpoint of another stage.
+
+    Upstream fails on its own later, without naming either stage: ZeRO-3 <-> any other stage with a bare
+    ``AssertionError`` (no model file under the name it looks for), stage 1-2 -> 0 with ``'NoneType' object has no
+    attribute 'copy'``, 0 -> 1-2 with a missing ``zero_pp_rank_0_..._optim_states.pt`` (the same on DeepSpeed's CPU
+    accelerator). ZeRO-1 <-> 2 loads.
+    """
+
+    @functools.wraps(original)
+    def load(self, load_dir, tag, load_module_strict=True, load_optimizer_states=True, load_lr_scheduler_states=True,
+             load_module_only=False, custom_load_fn=None):
+        saved = _saved_zero_stage(os.path.join(load_dir, str(tag)))
+        if saved is not None:
+            problem = _stage_change_problem(load_dir, tag, saved, self.zero_optimization_stage(),
+                                            load_optimizer_states and not load_module_only)
+            if problem:
+                from deepspeed.runtime.zero.utils import ZeRORuntimeException
+                raise ZeRORuntimeException(problem)
+        return original(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                        load_module_only, custom_load_fn)
 
     return load

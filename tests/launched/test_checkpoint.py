@@ -228,42 +228,70 @@ def test_resume_on_another_world_size_names_both_sizes_and_the_conversion(runs, 
 
 #: --save-tag of the killed saves -> the tag ``latest`` must name afterwards, with the step-1 checkpoint in it.
 KILLED_SAVES = {"": "global_step1", "last": "last"}
+SHARD_1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+RANK_0_FILES = "mp_rank_00_model_states.pt,zero_pp_rank_0_mp_rank_00_optim_states.pt"
+DISK_FULL = "disk_full"
 
 
 @pytest.fixture(scope="module")
 def killed_saves(tmp_path_factory):
-    """Both jobs at once: rank 1 dies in its file of the second save (step 2), after rank 0 wrote all of its own;
-    once under DeepSpeed's tags, once under one tag saved every time (a "last" checkpoint)."""
+    """The jobs at once, each saving at steps 1 and 2, where rank 1 fails in its file of the second save. Killed
+    once the files of rank 0 are written whole (upstream's rank 0 writes ``latest`` right after them), under
+    DeepSpeed's tags and under one tag saved every time (a "last" checkpoint); and with its disk full."""
+    faults = {tag: {"DSX_TEST_DIE_SAVING": f"1:{SHARD_1}", "DSX_TEST_DIE_AFTER_FILES": RANK_0_FILES}
+              for tag in KILLED_SAVES}
+    faults[DISK_FULL] = {"DSX_TEST_DISK_FULL": f"1:{SHARD_1}"}
     jobs = {}
-    for tag in KILLED_SAVES:
-        workdir = tmp_path_factory.mktemp(f"killed-{tag or 'default'}")
-        env = {"PYTHONPATH": FIXTURES / "fault_injection", "DSX_TEST_DIE_SAVING": "1:zero_pp_rank_1",
-               "DSX_TEST_DIE_AT": 2}
+    for name, fault in faults.items():
+        workdir = tmp_path_factory.mktemp(f"killed-{name or 'default'}")
+        env = {"PYTHONPATH": FIXTURES / "fault_injection", "DSX_TEST_DIE_AT": 2,
+               "DSX_TEST_SAVED_LOG": workdir / "saved.log", **fault}
+        tag = ("--save-tag", name) if name in KILLED_SAVES and name else ()
         cmd, env, _ = training_command(workdir, "xla", ds_config(2), num_procs=2, steps=3, extra_env=env,
                                        train_args=("--save-dir", str(workdir / "checkpoints"), "--save-at", "1", "2",
-                                                   *(("--save-tag", tag) if tag else ())))
-        jobs[tag] = (workdir / "checkpoints", start_command(cmd, cwd=workdir, env=env, text=True,
-                                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+                                                   *tag))
+        jobs[name] = (workdir / "checkpoints", start_command(cmd, cwd=workdir, env=env, text=True,
+                                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     results = {}
     try:
-        for tag, (save_dir, proc) in jobs.items():
+        for name, (save_dir, proc) in jobs.items():
             output, _ = proc.communicate(timeout=600)
-            results[tag] = (save_dir, proc.returncode, output)
+            results[name] = (save_dir, proc.returncode, output)
     finally:
         for _, proc in jobs.values():
             kill_group(proc)
     return results
 
 
-@pytest.mark.parametrize("tag", KILLED_SAVES, ids=["global_stepN", "one_tag"])
-def test_rank_killed_while_saving_leaves_the_previous_checkpoint(killed_saves, tag):
-    save_dir, code, output = killed_saves[tag]
-    assert "DYING while saving" in output and code != 0, output[-6000:]
-    kept = KILLED_SAVES[tag]
+def assert_only_complete_checkpoints(save_dir: Path, kept: str, output: str) -> None:
+    """``latest`` names ``kept``, which holds step 1's files (loaded without torch_xla), and nothing else is left."""
     assert (save_dir / "latest").read_text() == kept, output[-6000:]
     assert sorted(p.name for p in save_dir.iterdir() if p.is_file()) == ["latest", "zero_to_fp32.py",
                                                                           "zero_to_torch.py"]
     complete = load_without_torch_xla(save_dir / kept)
     assert sorted(complete["devices"]) == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                                           "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+                                           SHARD_1]
     assert all(max(counts) == 1 for counts in complete["steps"].values()), complete["steps"]  # all of step 1
+
+
+@pytest.mark.parametrize("tag", KILLED_SAVES, ids=["global_stepN", "one_tag"])
+def test_rank_killed_while_saving_leaves_the_previous_checkpoint(killed_saves, tag):
+    save_dir, code, output = killed_saves[tag]
+    assert "DYING while saving" in output and code != 0, output[-6000:]
+    assert_only_complete_checkpoints(save_dir, KILLED_SAVES[tag], output)
+
+
+def test_disk_full_on_one_rank_is_named_by_every_rank_and_leaves_the_previous_checkpoint(killed_saves):
+    """A real ENOSPC (the shard is /dev/full) on rank 1: each rank raises its error, naming the rank and the file
+    (or, should rank 1's reach it first, stops naming it); the half-written tag is removed, no temporary file is
+    left."""
+    save_dir, code, output = killed_saves[DISK_FULL]
+    assert "DISK FULL while saving" in output and code != 0, output[-6000:]
+    error = (f"OSError: [Errno 28] deepspeed_xla: rank 1 could not write the checkpoint file {save_dir}/"
+             f"global_step2.saving/{SHARD_1}: no space left on device")
+    for rank in (0, 1):  # torch prefixes each rank's traceback
+        assert f"[rank{rank}]: {error}" in output or f"rank {rank} stops: rank 1 raised {error}" in output, output
+    assert sorted(p.name for p in save_dir.iterdir()) == ["global_step1", "latest", "zero_to_fp32.py",
+                                                          "zero_to_torch.py"]
+    assert not [p for p in save_dir.rglob("*") if ".tmp." in p.name or p.name.endswith(".saving")]
+    assert_only_complete_checkpoints(save_dir, "global_step1", output)

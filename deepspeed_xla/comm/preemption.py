@@ -1,0 +1,86 @@
+"""Checkpoint on SIGTERM: with ``DS_XLA_CHECKPOINT_ON_SIGTERM=<save_dir>``, SIGTERM on any rank (a preempted spot
+VM, a TPU maintenance event) makes every rank save one checkpoint, at one step they agree on, before the job stops.
+
+The ranks must save at the same step: ``save_checkpoint`` has collectives, and a rank that saves while another
+trains on would wait in a collective the other never joins. The rank that gets SIGTERM publishes a target step in
+the rendezvous store, two past the last step it completed; every step has collectives, so no rank is more than one
+step ahead of another, and none has passed the target yet. Every rank reads the store at the end of each optimizer
+step (a store read, no device read) and saves when it reaches the target. SIGTERM is learned in the Python handler
+(the main thread, between bytecodes) or, while a collective holds the main thread, by the watchdog's thread from the
+signal's wakeup fd (``watchdog._Sigterm``); a lock keeps the step this rank completed and the target it publishes
+in order between the two.
+"""
+import os
+import threading
+from typing import Optional
+
+import torch.distributed as dist
+
+SAVE_DIR_ENV = "DS_XLA_CHECKPOINT_ON_SIGTERM"
+_PREFIX = "deepspeed_xla/preemption/"
+_TARGET = "target"  # "<step> <rank that got SIGTERM>", set once per job
+
+
+def save_dir_setting() -> Optional[str]:
+    """Where to save on SIGTERM, if the user asked for it; the folder is made now so that a path that cannot be
+    written fails at start, not at the preemption."""
+    value = os.environ.get(SAVE_DIR_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        os.makedirs(value, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{SAVE_DIR_ENV}={value!r} cannot be made a folder ({exc}): set it to a writable folder "
+                         "where every rank can write its checkpoint files, or unset it.") from None
+    return value
+
+
+class CheckpointOnSigterm:
+    """One rank's side of the agreement (see the module docstring)."""
+
+    def __init__(self, store, rank: int, save_dir: str):
+        self.rank, self.save_dir = rank, save_dir
+        self._store = dist.PrefixStore(_PREFIX, store.clone())  # own connection: the main thread reads it each step
+        self._lock = threading.RLock()  # the Python handler runs in the main thread, maybe inside ``step_ended``
+        self._completed: Optional[int] = None  # the optimizer steps this rank has completed, once it has stepped
+        self._sigterm = False  # SIGTERM came; the target is published once a step count is known
+        self.target: Optional[int] = None
+        self.sigterm_rank: Optional[int] = None
+
+    def sigterm(self) -> None:
+        """SIGTERM came to this rank (from any thread): publish a target, unless one is published already. Before
+        this rank's first optimizer step its count is not known: the target is published when that step starts."""
+        with self._lock:
+            self._sigterm = True
+            self._publish()
+
+    def _publish(self) -> None:
+        if self._sigterm and self._completed is not None and self.target is None:
+            self._store.compare_set(_TARGET, "", f"{self._completed + 2} {self.rank}")
+
+    def step_started(self, completed: int) -> None:
+        """This rank starts an optimizer step, ``completed`` steps done."""
+        with self._lock:
+            self._completed = completed
+            self._publish()
+
+    def step_ended(self, completed: int) -> bool:
+        """This rank completed its optimizer step ``completed``: whether every rank saves here."""
+        with self._lock:
+            self._completed = completed
+            self._publish()
+            if self.target is None and self._store.check([_TARGET]):
+                target, rank = self._store.get(_TARGET).decode().split()
+                self.target, self.sigterm_rank = int(target), int(rank)
+            if self.target is not None and completed > self.target:
+                raise RuntimeError(f"deepspeed_xla: rank {self.rank} read the checkpoint step {self.target} that "
+                                   f"SIGTERM on rank {self.sigterm_rank} asked for only after step {completed}: a "
+                                   "rank ran more than one optimizer step ahead of another, without a collective "
+                                   f"in between ({SAVE_DIR_ENV})")
+            return completed == self.target
+
+    def saved(self, tag: str) -> str:
+        """Why this rank stops, once the checkpoint is written."""
+        return (f"rank {self.sigterm_rank} got SIGTERM: preempted (a spot VM, a TPU maintenance event), or stopped "
+                f"by its scheduler or launcher; every rank saved checkpoint {tag} in {self.save_dir} before stopping "
+                f"({SAVE_DIR_ENV})")
