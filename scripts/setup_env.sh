@@ -33,6 +33,9 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$DSX_VENV/torch_extensions}
 DSX_OPS_MARKER="$DSX_VENV/.deepspeed-ops-built"
 if [ "$(cat "$DSX_OPS_MARKER" 2>/dev/null)" != "$TORCH_EXTENSIONS_DIR" ]; then
   echo "deepspeed_xla: building DeepSpeed's CPU ops into $TORCH_EXTENSIONS_DIR (once, a few minutes)" >&2
+  # A build stopped part-way (no marker yet) leaves its lock, and torch waits on a lock for ever: nothing else builds
+  # into this venv's directory before the marker exists.
+  rm -f "$TORCH_EXTENSIONS_DIR"/*/lock
   DS_ACCELERATOR=cpu "$DSX_VENV/bin/python" -c "
 from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, FusedAdamBuilder, ShareMemCommBuilder
 for builder in (ShareMemCommBuilder, FusedAdamBuilder, CPUAdamBuilder):
