@@ -157,12 +157,17 @@ def make_process_group_class():
             return _done([])
 
         def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
-            """All-to-all with uneven splits: pad to the largest split any member sends, exchange, unpad."""
+            """All-to-all with uneven splits: pad to the largest split any member sends, exchange, unpad. Without
+            split sizes (torch's even split: MoE's and Ulysses' all-to-alls) the exchange stays in the graph, with
+            no width to agree on through a host read."""
             size = self.size()
+            xm = xla_runtime.xm()
+            if not input_split_sizes and not output_split_sizes:
+                output.copy_(xm.all_to_all(input, 0, 0, size, groups=self._mesh, pin_layout=False))
+                return _done([output])
             in_splits = list(input_split_sizes) or [input.shape[0] // size] * size
             out_splits = list(output_split_sizes) or [output.shape[0] // size] * size
             width = torch.tensor([max(in_splits + out_splits)], device=self._device())
-            xm = xla_runtime.xm()
             xm.all_reduce(xm.REDUCE_MAX, [width], groups=self._mesh, pin_layout=False)
             width = int(width.cpu())
             stacked = pad_chunks(input, in_splits, width)

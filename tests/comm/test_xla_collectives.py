@@ -48,6 +48,11 @@ def one_rank_main() -> None:
     out = torch.empty(5, device=device)
     dist.all_to_all_single(out, source, output_split_sizes=[5], input_split_sizes=[5])
     assert out.cpu().tolist() == list(range(5))
+    from deepspeed_xla import xla_runtime
+    before = xla_runtime.graph_counters()
+    dist.all_to_all_single(out, source * 2)  # even splits (MoE, Ulysses): no width read back from the device
+    assert xla_runtime.graph_counters()["transfers_to_host"] == before["transfers_to_host"]
+    assert out.cpu().tolist() == [2.0 * i for i in range(5)]
     dist.destroy_process_group()
 
 
