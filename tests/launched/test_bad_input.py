@@ -325,9 +325,11 @@ config = {"train_micro_batch_size_per_gpu": 2,
           "tensorboard": {"enabled": False, "output_path": f"tensorboard/rank{rank}"}}  # per rank: may differ
 try:
     deepspeed.initialize(model=torch.nn.Linear(2, 2), config=config)
-    print(f"rank {rank} initialized", flush=True)
+    line = f"rank {rank} initialized"
 except RuntimeError as exc:
-    print(f"rank {rank} stopped: {exc}", flush=True)
+    line = f"rank {rank} stopped: {exc}"
+sys.stdout.write(line + "\\n")  # one write: the ranks share the launcher's pipe, and print writes the newline apart
+sys.stdout.flush()
 """
 #: What the two ranks are launched with: their learning rates and the fixture's fake version (``fake_version``).
 DISAGREEMENTS = {"config": (("0.01", "0.02"), ""), "version": (("0.01", "0.01"), "1:deepspeed_xla:0.0.1")}
