@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
@@ -20,6 +21,7 @@ from deepspeed_xla.launch_env import free_port
 from tests.conftest import FAST_COMPILE, REPO, VENV_BIN, clean_env
 
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 def start_command(cmd, **popen_kwargs) -> subprocess.Popen:
@@ -225,6 +227,36 @@ def run_ranks(target: str, world_size: int, env: Optional[dict] = None, timeout:
         out.close()
         err.close()
     return results
+
+
+def run_jobs(jobs: Dict[K, Tuple[List[str], dict, Path]], timeout: float = 600) -> Dict[K, Tuple[int, str]]:
+    """Start every job (command, environment, working folder) at once, each in its own session, and wait for all:
+    key -> (exit code, its stdout and stderr together). Whatever a job leaves behind is killed."""
+    procs = {key: start_command(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for key, (cmd, env, cwd) in jobs.items()}
+    results = {}
+    try:
+        for key, proc in procs.items():
+            output, _ = proc.communicate(timeout=timeout)
+            results[key] = (proc.returncode, output)
+    finally:
+        for proc in procs.values():
+            kill_group(proc)
+    return results
+
+
+def record_cases(names: Sequence[str], run: Callable[[str], dict], out_env: str) -> None:
+    """A rank's side of ``run_rank_records``: ``run(name)`` for each name in turn (a failure records its traceback)
+    and this rank's accelerator, written as its JSON record."""
+    import deepspeed
+    results = {}
+    for name in names:
+        try:
+            results[name] = run(name)
+        except Exception:
+            results[name] = {"failed": traceback.format_exc()}
+    results["accelerator"] = deepspeed.get_accelerator().device_name()
+    Path(f"{os.environ[out_env]}.rank{deepspeed.comm.get_rank()}").write_text(json.dumps(results))
 
 
 def run_rank_records(target: str, accelerator: str, world_size: int, out: Path, out_env: str) -> List[dict]:

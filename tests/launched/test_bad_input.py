@@ -23,8 +23,8 @@ from deepspeed_xla import xla_runtime
 from deepspeed_xla.devices.tpu import TpuDevice, one_chip_env
 from tests.conftest import FIXTURES, REPO, VENV_BIN, clean_env
 from tests.devices.test_tpu import _fake_metadata
-from tests.multiproc import (free_port, kill_group, last_error, launch_command, run_command, run_python,
-                             run_ranks, start_command, within)
+from tests.multiproc import (free_port, last_error, launch_command, run_command, run_jobs, run_python, run_ranks,
+                             within)
 
 
 def _config(**settings) -> dict:
@@ -344,16 +344,8 @@ def disagreeing_ranks(tmp_path_factory):
         (workdir / "train.py").write_text(DISAGREEING_RANKS)
         env = {"PYTHONPATH": FIXTURES / "fake_version", "DSX_TEST_FAKE_VERSION": fake} if fake else {}
         cmd, env = launch_command([workdir / "train.py", *rates], "xla", 2, env)
-        jobs[name] = start_command(cmd, cwd=workdir, env=env, text=True, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT)
-    results = {}
-    try:
-        for name, proc in jobs.items():
-            results[name] = proc.communicate(timeout=600)[0]
-    finally:
-        for proc in jobs.values():
-            kill_group(proc)
-    return results
+        jobs[name] = (cmd, env, workdir)
+    return {name: output for name, (_, output) in run_jobs(jobs).items()}
 
 
 @pytest.mark.parametrize("differs, expected", [

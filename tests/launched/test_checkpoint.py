@@ -8,7 +8,6 @@ same XLA graphs on the same values).
 """
 import json
 import shutil
-import subprocess
 import sys
 from collections import OrderedDict, namedtuple
 from pathlib import Path
@@ -18,8 +17,8 @@ import torch
 
 from deepspeed_xla import checkpoint, xla_runtime
 from tests.conftest import FIXTURES, clean_env
-from tests.multiproc import (TWO_RANK_RUN, assert_trains_like, ds_config, kill_group, plan, ranks, run_command,
-                             start_command, training, training_command)
+from tests.multiproc import (TWO_RANK_RUN, assert_trains_like, ds_config, plan, ranks, run_command, run_jobs, training,
+                             training_command)
 
 PIPELINE = ("--pipeline-stages", "2")
 RESUMED_AT = TWO_RANK_RUN["save_at"][0]
@@ -241,7 +240,7 @@ def killed_saves(tmp_path_factory):
     faults = {tag: {"DSX_TEST_DIE_SAVING": f"1:{SHARD_1}", "DSX_TEST_DIE_AFTER_FILES": RANK_0_FILES}
               for tag in KILLED_SAVES}
     faults[DISK_FULL] = {"DSX_TEST_DISK_FULL": f"1:{SHARD_1}"}
-    jobs = {}
+    jobs, save_dirs = {}, {}
     for name, fault in faults.items():
         workdir = tmp_path_factory.mktemp(f"killed-{name or 'default'}")
         env = {"PYTHONPATH": FIXTURES / "fault_injection", "DSX_TEST_DIE_AT": 2,
@@ -250,17 +249,8 @@ def killed_saves(tmp_path_factory):
         cmd, env, _ = training_command(workdir, "xla", ds_config(2), num_procs=2, steps=3, extra_env=env,
                                        train_args=("--save-dir", str(workdir / "checkpoints"), "--save-at", "1", "2",
                                                    *tag))
-        jobs[name] = (workdir / "checkpoints", start_command(cmd, cwd=workdir, env=env, text=True,
-                                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    results = {}
-    try:
-        for name, (save_dir, proc) in jobs.items():
-            output, _ = proc.communicate(timeout=600)
-            results[name] = (save_dir, proc.returncode, output)
-    finally:
-        for _, proc in jobs.values():
-            kill_group(proc)
-    return results
+        jobs[name], save_dirs[name] = (cmd, env, workdir), workdir / "checkpoints"
+    return {name: (save_dirs[name], *result) for name, result in run_jobs(jobs).items()}
 
 
 def assert_only_complete_checkpoints(save_dir: Path, kept: str, output: str) -> None:

@@ -7,17 +7,14 @@ setter followed by a read-back, a step, and the values and loss after it. Each r
 it saw (values, or the error a call raised) as JSON, and ``test_fragment_api[<config>]`` compares the XLA
 run's record with the CPU run's, key by key.
 """
-import json
 import math
-import os
-import traceback
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import pytest
 import torch
 
-from tests.multiproc import on_both_accelerators, run_rank_records
+from tests.multiproc import on_both_accelerators, record_cases, run_rank_records
 
 WORLD = 2
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -165,17 +162,8 @@ def exercise(name: str) -> dict:
 
 
 def rank_main() -> None:
-    """One rank: every configuration in turn; a configuration that fails records its traceback."""
-    results = {}
-    for name in CONFIGS:
-        try:
-            results[name] = exercise(name)
-        except Exception:
-            results[name] = {"failed": traceback.format_exc()}
-    import deepspeed
-    results["accelerator"] = deepspeed.get_accelerator().device_name()
-    with open(f"{os.environ[OUT_ENV]}.rank{deepspeed.comm.get_rank()}", "w") as handle:
-        json.dump(results, handle)
+    """One rank: every configuration in turn."""
+    record_cases(CONFIGS, exercise, OUT_ENV)
 
 
 def launch(accelerator: str, out: Path) -> list:

@@ -5,15 +5,13 @@ ZeRO-3, AutoTP tensor parallelism 2 on a Llama from a config, and Ulysses sequen
 One 2-rank launch per accelerator trains every case in turn on a tiny model with the same data and seed; each rank
 writes its per-step losses, its final weights and, on XLA, the graph counters after the warm-up steps and at the end.
 """
-import json
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.multiproc import LOSS_TOLERANCE, PARAM_TOLERANCE, on_both_accelerators, run_rank_records, within
+from tests.multiproc import (LOSS_TOLERANCE, PARAM_TOLERANCE, on_both_accelerators, record_cases, run_rank_records,
+                             within)
 
 WORLD, STEPS, WARMUP = 2, 6, 3
 VOCAB, HIDDEN, HEADS, SEQ, BATCH = 16, 8, 2, 8, 4
@@ -179,17 +177,8 @@ def train(name: str) -> dict:
 
 
 def rank_main() -> None:
-    """One rank: every case in turn; a case that fails records its traceback."""
-    results = {}
-    for name in CASES:
-        try:
-            results[name] = train(name)
-        except Exception:
-            results[name] = {"failed": traceback.format_exc()}
-    import deepspeed
-    results["accelerator"] = deepspeed.get_accelerator().device_name()
-    with open(f"{os.environ[OUT_ENV]}.rank{deepspeed.comm.get_rank()}", "w") as handle:
-        json.dump(results, handle)
+    """One rank: every case in turn."""
+    record_cases(CASES, train, OUT_ENV)
 
 
 def launch(accelerator: str, out: Path) -> list:

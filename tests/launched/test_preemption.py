@@ -3,7 +3,6 @@
 every rank at one step, stops with SIGTERM's exit code naming it, and a new job resumes from that checkpoint to the
 losses and weights of the uninterrupted run (``tests/launched/test_checkpoint.py``'s ZeRO-2 run)."""
 import re
-import subprocess
 
 import pytest
 
@@ -11,7 +10,7 @@ from deepspeed_xla.comm.preemption import SAVE_DIR_ENV
 from deepspeed_xla.comm.watchdog import TERMINATED_EXIT_CODE
 from tests.conftest import FIXTURES
 from tests.launched.test_checkpoint import load_without_torch_xla
-from tests.multiproc import TWO_RANK_RUN, ds_config, kill_group, ranks, start_command, training, training_command
+from tests.multiproc import TWO_RANK_RUN, ds_config, ranks, run_jobs, training, training_command
 
 CONFIG = ds_config(2)
 SIGTERM_IN_BACKWARD = 6  # train.py runs one backward per step: SIGTERM comes during step 5, after 5 completed
@@ -27,25 +26,15 @@ def preempted(tmp_path_factory):
     """Both jobs at once, each the uninterrupted run's training with a checkpoint on SIGTERM asked for and SIGTERM
     sent to the ranks of ``PREEMPTED`` by ``tests/fixtures/fault_injection``: {ranks: (save dir, exit code,
     output)}."""
-    jobs = {}
+    jobs, save_dirs = {}, {}
     for preempted_ranks in PREEMPTED:
         workdir = tmp_path_factory.mktemp("sigterm")
         env = {"PYTHONPATH": FIXTURES / "fault_injection",
                "DSX_TEST_SIGTERM_AT": f"{preempted_ranks}:{SIGTERM_IN_BACKWARD}", SAVE_DIR_ENV: workdir / "preempted"}
         cmd, env, _ = training_command(workdir, "xla", CONFIG, num_procs=2, steps=TWO_RANK_RUN["steps"],
                                        extra_env=env)
-        jobs[preempted_ranks] = (workdir / "preempted", start_command(cmd, cwd=workdir, env=env, text=True,
-                                                                      stdout=subprocess.PIPE,
-                                                                      stderr=subprocess.STDOUT))
-    results = {}
-    try:
-        for preempted_ranks, (save_dir, proc) in jobs.items():
-            output, _ = proc.communicate(timeout=600)
-            results[preempted_ranks] = (save_dir, proc.returncode, output)
-    finally:
-        for _, proc in jobs.values():
-            kill_group(proc)
-    return results
+        jobs[preempted_ranks], save_dirs[preempted_ranks] = (cmd, env, workdir), workdir / "preempted"
+    return {ranks_: (save_dirs[ranks_], *result) for ranks_, result in run_jobs(jobs).items()}
 
 
 @pytest.mark.parametrize("preempted_ranks", PREEMPTED, ids=["rank1", "every_rank"])
