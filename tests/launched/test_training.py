@@ -12,6 +12,9 @@ import pytest
 from tests.multiproc import (assert_trains_like, counts_per_step, ds_config, plan, plan_against_cpu, training,
                              training_dtype)
 
+# Its trainings are its own (the plan group "one-process"): under ``pytest -n`` it needs no other module's worker.
+pytestmark = pytest.mark.xdist_group("one-process-trainings")
+
 # bf16 ZeRO-1 accumulating gradients in fp32 runs DeepSpeed's BF16_Optimizer (as bf16 pipelines do).
 BF16_OPTIMIZER = {"data_types": {"grad_accum_dtype": "fp32"}}
 BF16_OPTIMIZER_CONFIG = ds_config(1, bf16=True, accumulation=2, gradient_clipping=0.5, **BF16_OPTIMIZER)
