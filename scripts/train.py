@@ -1,7 +1,13 @@
-"""Train a small GPT-style decoder with DeepSpeed; runs unchanged on XLA, CPU or CUDA.
+r"""Train a small GPT-style decoder with DeepSpeed; runs unchanged on XLA, CPU or CUDA.
 
     DS_ACCELERATOR=xla PJRT_DEVICE=CPU deepspeed --num_gpus 2 scripts/train.py --deepspeed_config scripts/configs/zero2.json
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 scripts/train.py --deepspeed_config scripts/configs/zero2.json
+    DS_ACCELERATOR=xla deepspeed --num_gpus 2 scripts/train.py --deepspeed_config scripts/configs/zero1.json \
+        --moe-experts 2   # or --sequence-parallel 2, --activation-checkpointing, --compile
+
+Those flags add DeepSpeed's MoE, Ulysses, activation checkpointing and ``engine.compile()``; AutoTP, ZeRO++ hpZ and
+ZeRO-Offload need only config sections (``python -m deepspeed_xla.bench --systems xla-zero1-2p-tp`` writes one into
+its work folder; deepspeed_xla/bench/systems.py, FEATURES).
 
 The data is generated (a noisy modular-arithmetic token stream), so nothing is downloaded. Every rank
 draws its own micro-batches from a seeded generator, identically on every accelerator, which is what
@@ -11,6 +17,7 @@ lets the tests compare per-step losses across accelerators. ``--losses-out`` wri
 ``--timings`` is how ``python -m deepspeed_xla.bench`` runs it: losses read once at the end, each step waited for.
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -29,6 +36,7 @@ CLIENT_OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=0.003, weight_decay=0.01),
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),  # no step count: a skip is exact
 }
+MOE_AUX_LOSS_WEIGHT = 0.01  # the gate's load-balancing loss, weighted as in the Switch Transformer
 WARMUP_STEPS = 3  # XLA compiles the step's graphs during the first steps; counters start after them
 # Every stage holding a tied layer saves it under the same names; DeepSpeed's universal checkpoint conversion
 # (ds_to_universal) keeps the first stage's copies of the parameters named here, else the last stage's (whose
@@ -37,42 +45,93 @@ PIPELINE_CHECKPOINT_INFO = {"universal_checkpoint_info": {
     "universal_checkpoint_version": 0.4, "pipeline_replicated_parameter_patterns": [r"tied_modules\."]}}
 
 
-class Block(nn.Module):
+def causal_attention(q, k, v):
+    """Causal self-attention on [batch, sequence, heads, head width]."""
+    return F.scaled_dot_product_attention(*(z.transpose(1, 2) for z in (q, k, v)), is_causal=True).transpose(1, 2)
 
-    def __init__(self, dim: int, heads: int):
+
+def ulysses_attention(group):
+    """Ulysses sequence parallelism: each rank holds a slice of the sequence; DeepSpeed's all-to-all trades it for
+    the whole sequence of a slice of the heads around ``causal_attention``, and back."""
+    from deepspeed.sequence.layer import DistributedAttention
+    return functools.partial(DistributedAttention(causal_attention, group, scatter_idx=2, gather_idx=1),
+                             batch_dim_idx=0)
+
+
+class Experts(nn.Module):
+    """DeepSpeed's MoE layer with ``experts`` copies of ``mlp`` and top-1 gating, spread over the most ranks that
+    divide both the experts and the world; keeps the gate's load-balancing loss for TinyGPT's."""
+
+    def __init__(self, mlp: nn.Module, experts: int):
+        from deepspeed.moe.layer import MoE
         super().__init__()
-        self.heads = heads
+        ep_size = math.gcd(experts, deepspeed.comm.get_world_size())
+        self.moe = MoE(hidden_size=mlp[0].in_features, expert=mlp, num_experts=experts, ep_size=ep_size, k=1)
+        self.aux_loss = None
+
+    def forward(self, x):
+        out, self.aux_loss, _ = self.moe(x)
+        return out
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block. Its shapes follow the layers' (heads of ``dim // heads`` channels), so AutoTP
+    can hand each rank a slice of the heads and of the MLP."""
+
+    def __init__(self, dim: int, heads: int, experts: int = 0, attention=causal_attention):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.attention = attention
         self.ln1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        if experts:
+            self.mlp = Experts(self.mlp, experts)
 
     def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        b, t, _ = x.shape
+        qkv = self.qkv(self.ln1(x))
+        q, k, v = (z.view(b, t, -1, self.head_dim) for z in qkv.split(qkv.shape[-1] // 3, dim=2))
+        x = x + self.proj(self.attention(q, k, v).reshape(b, t, -1))
         return x + self.mlp(self.ln2(x))
 
 
 class TinyGPT(nn.Module):
+    """A GPT; optionally each MLP a mixture of ``experts``, the sequence split over ``sequence_group`` (Ulysses), and
+    each block's activations recomputed in backward (``deepspeed.checkpointing``)."""
 
-    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 2, seq: int = 16):
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 2, seq: int = 16,
+                 experts: int = 0, sequence_group=None, activation_checkpointing: bool = False):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        attention = causal_attention if sequence_group is None else ulysses_attention(sequence_group)
+        self.blocks = nn.ModuleList(Block(dim, heads, experts, attention) for _ in range(layers))
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
+        self.experts = experts
+        self.activation_checkpointing = activation_checkpointing
+        # the first position this rank's slice of the sequence holds
+        self.start = 0 if sequence_group is None else sequence_slice(sequence_group, seq).start
 
     def forward(self, tokens, targets):
-        x = self.tok(tokens) + self.pos[:tokens.shape[1]]
+        x = self.tok(tokens) + self.pos[self.start:self.start + tokens.shape[1]]
         for block in self.blocks:
-            x = block(x)
+            x = deepspeed.checkpointing.checkpoint(block, x) if self.activation_checkpointing else block(x)
         logits = self.head(self.ln(x)).float()
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        if self.experts:
+            loss = loss + MOE_AUX_LOSS_WEIGHT * sum(block.mlp.aux_loss for block in self.blocks)
+        return loss
+
+
+def sequence_slice(group, seq: int) -> slice:
+    """The positions of a ``seq``-long sequence that this rank of the sequence-parallel ``group`` holds."""
+    length = seq // deepspeed.comm.get_world_size(group)
+    start = deepspeed.comm.get_rank(group) * length
+    return slice(start, start + length)
 
 
 class Embedding(nn.Module):
@@ -233,6 +292,15 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--pipeline-stages", type=int, default=0, help="train as a DeepSpeed PipelineModule")
     parser.add_argument("--activation-checkpoint-interval", type=int, default=0)
+    parser.add_argument("--moe-experts", type=int, default=0, metavar="N",
+                        help="each block's MLP as N experts (DeepSpeed MoE), over as many ranks as divide N")
+    parser.add_argument("--sequence-parallel", type=int, default=1, metavar="N",
+                        help="split each sequence over N ranks (DeepSpeed Ulysses); at most the 2 attention heads")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block in backward (deepspeed.checkpointing; the config's "
+                             "activation_checkpointing section applies)")
+    parser.add_argument("--compile", action="store_true", help="engine.compile(): torch.compile, the accelerator's "
+                                                               "backend")
     parser.add_argument("--client-optimizer", nargs="?", const="adamw", choices=sorted(CLIENT_OPTIMIZERS),
                         help="build this torch optimizer (default AdamW) before deepspeed.initialize instead of "
                              "using the config's")
@@ -254,21 +322,41 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.nan_grad_at is not None and args.pipeline_stages:
         parser.error("--nan-grad-at works on the plain engine only (the pipeline engine runs its own backward)")
+    if args.pipeline_stages and (args.moe_experts or args.sequence_parallel > 1 or args.activation_checkpointing):
+        parser.error("--moe-experts, --sequence-parallel and --activation-checkpointing build TinyGPT, not the "
+                     "pipeline's layers (which --activation-checkpoint-interval checkpoints)")
     if args.save_at and not args.save_dir:
         parser.error("--save-at needs --save-dir (where to write the checkpoints)")
 
     deepspeed.init_distributed()
+    mesh_param = sequence_group = None
+    if args.sequence_parallel > 1:  # DeepSpeed's (data, sequence) mesh: a sequence's ranks are consecutive
+        mesh_param = (deepspeed.comm.get_world_size() // args.sequence_parallel, args.sequence_parallel)
+        mesh = deepspeed.comm.initialize_mesh_device(mesh_param, ("data_parallel", "sequence_parallel"))
+        sequence_group = mesh.get_group(mesh_dim="sequence_parallel")
     torch.manual_seed(args.seed)
     if args.pipeline_stages:
         model = pipeline_model(args, args.pipeline_stages)
     else:
-        model = TinyGPT(args.vocab, args.dim, args.layers, seq=args.seq)
+        model = TinyGPT(args.vocab, args.dim, args.layers, seq=args.seq, experts=args.moe_experts,
+                        sequence_group=sequence_group, activation_checkpointing=args.activation_checkpointing)
     params = list(model.parameters())
+    if args.moe_experts:  # ZeRO keeps the experts' parameters apart: they are data-parallel over fewer ranks
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+        params = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "parameters"})
     optimizer = CLIENT_OPTIMIZERS[args.client_optimizer](params) if args.client_optimizer else None
-    engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=params, optimizer=optimizer)
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=params, optimizer=optimizer,
+                                           mesh_param=mesh_param)
+    if args.activation_checkpointing:
+        deepspeed.checkpointing.configure(None, deepspeed_config=args.deepspeed_config)
+    if args.compile:
+        engine.compile()
     pipelined = args.pipeline_stages > 0
     rank = engine.global_rank
-    data_rank = engine.grid.get_data_parallel_rank() if pipelined else rank
+    # Ranks of one tensor- or sequence-parallel group train on the same batch: it is drawn for their data rank.
+    data_rank = (engine.grid.get_data_parallel_rank() if pipelined
+                 else deepspeed.comm.get_rank(group=engine.data_parallel_group))
+    positions = slice(None) if sequence_group is None else sequence_slice(sequence_group, args.seq)
     micro = engine.train_micro_batch_size_per_gpu()
     accum = engine.gradient_accumulation_steps()
     first_step = resume(engine, args.load_dir) if args.load_dir else 0
@@ -276,7 +364,7 @@ def main(argv=None) -> None:
     def batches(step):
         for micro_step in range(accum):
             tokens, targets = make_batch(step * accum + micro_step, data_rank, micro, args.seq, args.vocab)
-            yield tokens.to(engine.device), targets.to(engine.device)
+            yield tokens[:, positions].to(engine.device), targets[:, positions].to(engine.device)
 
     read = (lambda loss: loss.detach()) if args.timings else (lambda loss: loss.item())
     step_losses, step_times, start, counters = [], [], time.time(), {}

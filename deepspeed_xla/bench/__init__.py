@@ -1,9 +1,11 @@
 """Benchmark: a GPT-style decoder trained by a hand-written torch_xla loop (the floor), by DeepSpeed through
-deepspeed_xla (ZeRO 0-3 on 1 and on 2 processes) and by DeepSpeed's own CPU accelerator, in one table.
+deepspeed_xla (ZeRO 0-3 on 1 and on 2 processes, optionally with one DeepSpeed feature: MoE, Ulysses, AutoTP, hpZ,
+activation checkpointing, ZeRO-Offload or engine.compile()) and by DeepSpeed's own CPU accelerator, in one table.
 
     PJRT_DEVICE=CPU python -m deepspeed_xla.bench                            # every system, the default small GPT
     python -m deepspeed_xla.bench --steps 20 --out bench.json --png bench.png
     python -m deepspeed_xla.bench --systems floor xla-zero2-1p xla-zero3-2p --skip-bandwidth
+    python -m deepspeed_xla.bench --systems xla-zero1-2p xla-zero1-2p-moe cpu-zero1-2p-moe --skip-bandwidth
     PJRT_DEVICE=TPU python -m deepspeed_xla.bench --dim 1024 --layers 8 --seq 1024 --batch 8   # adds MFU
 
 Run it from a deepspeed-xla checkout: a DeepSpeed system is ``deepspeed --num_gpus N scripts/train.py --timings``

@@ -9,7 +9,8 @@ from typing import Optional, Sequence
 
 from deepspeed_xla.bench import driver, results
 from deepspeed_xla.bench.example import find_train_script
-from deepspeed_xla.bench.systems import DEFAULT_SYSTEMS, flops_per_token, matmul_params, parse_system, zero_option
+from deepspeed_xla.bench.systems import (DEFAULT_SYSTEMS, NAMING, feature_list, flops_per_token, matmul_params,
+                                         parse_system, zero_option)
 from deepspeed_xla.bench.workers import WORKERS
 from deepspeed_xla.devices import current_device_type
 
@@ -30,7 +31,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                              "systems then compares runs made under the same machine load")
     parser.add_argument("--systems", nargs="+", type=parse_system, default=[parse_system(n) for n in DEFAULT_SYSTEMS],
                         metavar="SYSTEM",
-                        help=f"floor or <xla|cpu>-[hf-]zero<0-3>-<N>p, hf-: through the Hugging Face Trainer "
+                        help=f"{NAMING}; hf-: through the Hugging Face Trainer. Features: {feature_list()} "
                              f"(default: {' '.join(DEFAULT_SYSTEMS)})")
     parser.add_argument("--zero", nargs="+", type=zero_option, default=[], metavar="KEY=JSON",
                         help="extra zero_optimization settings of the DeepSpeed systems, "

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from deepspeed_xla.bench.results import bandwidth_summary, summarize
-from deepspeed_xla.bench.systems import LR, WEIGHT_DECAY, System, ds_config
+from deepspeed_xla.bench.systems import LR, WEIGHT_DECAY, System, ds_config, train_flags
 from deepspeed_xla.launch_env import free_port
 
 
@@ -49,6 +49,16 @@ def read_ranks(path: Path, procs: int) -> List[dict]:
     return [json.loads((path if rank == 0 else Path(f"{path}.rank{rank}")).read_text()) for rank in range(procs)]
 
 
+def train_arguments(args: argparse.Namespace, train_script: Path, config: Path, out: Path,
+                    system: System) -> List[str]:
+    """``scripts/train.py`` with ``--timings`` on the bench's model and steps, and the flags of the system's
+    feature."""
+    return [str(train_script), "--deepspeed_config", str(config), "--timings", "--losses-out", str(out),
+            "--steps", str(args.steps), "--warmup-steps", str(args.warmup), "--dim", str(args.dim),
+            "--layers", str(args.layers), "--seq", str(args.seq), "--vocab", str(args.vocab),
+            "--seed", str(args.seed), *train_flags(system)]
+
+
 def trainer_arguments(args: argparse.Namespace, train_script: Path, config: Path, out: Path,
                       workdir: Path) -> List[str]:
     """``scripts/hf_train.py`` (beside ``train_script``) training train.py's model on the same config and batches'
@@ -72,18 +82,12 @@ def run_system(system: System, args: argparse.Namespace, train_script: Path, wor
                "--train-script", str(train_script), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--dim", str(args.dim), "--layers", str(args.layers), "--seq", str(args.seq),
                "--batch", str(args.batch), "--vocab", str(args.vocab), "--seed", str(args.seed)]
-    elif system.trainer:
-        config = workdir / f"{system.name}.config.json"
-        config.write_text(json.dumps(ds_config(system.stage, args.batch, args.zero)))
-        cmd = deepspeed_command(system.procs, trainer_arguments(args, train_script, config, out, workdir))
     else:
         config = workdir / f"{system.name}.config.json"
-        config.write_text(json.dumps(ds_config(system.stage, args.batch, args.zero)))
-        cmd = deepspeed_command(system.procs, [
-            str(train_script), "--deepspeed_config", str(config), "--timings", "--losses-out", str(out),
-            "--steps", str(args.steps), "--warmup-steps", str(args.warmup), "--dim", str(args.dim),
-            "--layers", str(args.layers), "--seq", str(args.seq), "--vocab", str(args.vocab),
-            "--seed", str(args.seed)])
+        config.write_text(json.dumps(ds_config(system.stage, args.batch, args.zero, system.feature)))
+        target = (trainer_arguments(args, train_script, config, out, workdir) if system.trainer
+                  else train_arguments(args, train_script, config, out, system))
+        cmd = deepspeed_command(system.procs, target)
     print(f"[bench] {system.name} ...", file=sys.stderr, flush=True)
     error = run(cmd, child_env(system.accelerator, system.procs), log, args.timeout)
     load = os.getloadavg()[0]  # the last minute of this system's run, its own processes included

@@ -14,12 +14,14 @@ TRAINER_TARGET = 1.10  # step time through the Hugging Face Trainer over scripts
 
 
 def summarize(system: System, ranks: List[dict], args: argparse.Namespace, peak_flops: Optional[float]) -> dict:
-    """One table row from every rank's JSON: a step lasts as long as its slowest rank; counts are the worst rank's."""
+    """One table row from every rank's JSON: a step lasts as long as its slowest rank; counts are the worst rank's;
+    tokens count once for the ranks that share a batch (tensor and sequence parallelism)."""
     step_times = [max(times) for times in zip(*(rank["step_times"] for rank in ranks))][args.warmup:]
     median_step = statistics.median(step_times)
-    tokens_per_s = system.procs * args.batch * args.seq / median_step
+    tokens_per_s = system.data_parallel * args.batch * args.seq / median_step
     row = {"system": system.name, "accelerator": system.accelerator, "zero_stage": system.stage,
-           "processes": system.procs, "median_step_s": median_step, "tokens_per_s": tokens_per_s,
+           "processes": system.procs, "feature": system.feature, "median_step_s": median_step,
+           "tokens_per_s": tokens_per_s,
            "peak_rss_bytes": max(rank["peak_rss_bytes"] for rank in ranks), "final_loss": ranks[0]["losses"][-1],
            "state_bytes_per_rank": max(rank["state_bytes"] for rank in ranks),
            "compilations_after_warmup": None, "executions_per_step": None, "transfers_per_step": None,
@@ -94,14 +96,16 @@ def check_targets(report: dict) -> List[dict]:
         if "error" in row or row["accelerator"] == "cpu":
             continue
         name, stage = row["system"], row["zero_stage"]
+        check(f"{name} compilations after warm-up", row["compilations_after_warmup"], "0",
+              row["compilations_after_warmup"] == 0)
+        if row.get("feature"):  # the other targets are plain ZeRO's; a feature brings graphs and transfers of its own
+            continue
         if row["accelerator"] == "xla" and row["processes"] == 1 and "ratio_to_floor" in row:
             limit = RATIO_TARGETS[stage]
             check(f"{name} step time / floor", row["ratio_to_floor"], f"<= {limit}", row["ratio_to_floor"] <= limit)
         if "ratio_to_loop" in row:
             check(f"{name} step time / {row['loop']}", row["ratio_to_loop"], f"<= {TRAINER_TARGET}",
                   row["ratio_to_loop"] <= TRAINER_TARGET)
-        check(f"{name} compilations after warm-up", row["compilations_after_warmup"], "0",
-              row["compilations_after_warmup"] == 0)
         if stage <= 2:
             check(f"{name} executions per step", row["executions_per_step"], "1", row["executions_per_step"] == 1)
         check(f"{name} device->host transfers per step", row["transfers_per_step"], "0",

@@ -2,29 +2,79 @@
 import argparse
 import json
 import re
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
 
 LR, WEIGHT_DECAY = 0.003, 0.01  # scripts/configs/*.json and train.py --client-optimizer
-SYSTEM_NAME = re.compile(r"(xla|cpu)-(hf-)?zero([0-3])-([1-9][0-9]*)p$")
 DEFAULT_SYSTEMS = ["floor", *(f"xla-zero{stage}-{procs}p" for procs in (1, 2) for stage in range(4)), "cpu-zero0-1p"]
+# AutoTP shards the layers it recognises by name (Llama's q_proj, o_proj, ...) or by a Hugging Face model's tp_plan;
+# TinyGPT has neither, and its fused qkv must be split as three matrices, which a tp_plan cannot say. So the config
+# names its layers in DeepSpeed's partition_config: column-parallel in, row-parallel out of attention and MLP.
+TINYGPT_TP_LAYERS = {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r".*\.qkv\.weight$"], "partition_type": "column", "shape": [3, -1], "partition_dim": 0},
+    {"patterns": [r".*\.mlp\.0\.weight$"], "partition_type": "column"},
+    {"patterns": [r".*\.proj\.weight$", r".*\.mlp\.2\.weight$"], "partition_type": "row"}]}
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A DeepSpeed feature a system trains with (a suffix of its name): ``scripts/train.py``'s flags and the config
+    sections that turn it on; ``width`` ranks share one batch (tensor and sequence parallelism), and the processes
+    must be a multiple of ``group``."""
+    what: str
+    flags: Tuple[str, ...] = ()
+    config: dict = field(default_factory=dict)
+    zero: dict = field(default_factory=dict)
+    stages: Tuple[int, ...] = (0, 1, 2, 3)
+    width: int = 1
+    group: int = 1
+
+
+# TinyGPT's 2 attention heads bound tensor and sequence parallelism to 2 ranks.
+FEATURES = {
+    "moe": Feature("each MLP as 2 DeepSpeed MoE experts, top-1 gating, expert parallelism up to 2",
+                   ("--moe-experts", "2")),
+    "sp": Feature("Ulysses sequence parallelism over 2 ranks", ("--sequence-parallel", "2"), width=2, group=2),
+    "tp": Feature("AutoTP tensor parallelism over 2 ranks", config={"tensor_parallel": {
+        "autotp_size": 2, "partition_config": TINYGPT_TP_LAYERS}}, width=2, group=2),
+    "hpz": Feature("ZeRO++ hierarchical partitioning over 2 ranks", zero={"zero_hpz_partition_size": 2}, stages=(3,),
+                   group=2),
+    "ckpt": Feature("each block's activations recomputed in backward (deepspeed.checkpointing)",
+                    ("--activation-checkpointing",)),
+    "offload": Feature("ZeRO-Offload, the optimizer on the host", zero={"offload_optimizer": {"device": "cpu"}},
+                       stages=(1, 2, 3)),
+    "compile": Feature("engine.compile() with the accelerator's torch.compile backend", ("--compile",)),
+}
+SYSTEM_NAME = re.compile(rf"(xla|cpu)-(hf-)?zero([0-3])-([1-9][0-9]*)p(?:-({'|'.join(FEATURES)}))?$")
+NAMING = "floor or <xla|cpu>-[hf-]zero<0-3>-<N>p[-<feature>]"
+
+
+def feature_list() -> str:
+    """The features and what each runs, for the help and the errors."""
+    return "; ".join(f"{name}: {feature.what}" for name, feature in FEATURES.items())
 
 
 @dataclass(frozen=True)
 class System:
-    """One row: ``floor``, or DeepSpeed on accelerator ``xla``/``cpu`` at a ZeRO stage on ``procs`` processes;
-    ``trainer``: the same model and config trained by the Hugging Face Trainer (``scripts/hf_train.py --model
-    tinygpt``) instead of ``scripts/train.py``'s loop."""
+    """One row: ``floor``, or DeepSpeed on accelerator ``xla``/``cpu`` at a ZeRO stage on ``procs`` processes,
+    optionally with one of ``FEATURES``; ``trainer``: the same model and config trained by the Hugging Face Trainer
+    (``scripts/hf_train.py --model tinygpt``) instead of ``scripts/train.py``'s loop."""
     name: str
     accelerator: str
     stage: int = 0
     procs: int = 1
     trainer: bool = False
+    feature: Optional[str] = None
 
     @property
     def loop(self) -> str:
         """The ``scripts/train.py`` system a Trainer system is compared with."""
         return self.name.replace("-hf-", "-")
+
+    @property
+    def data_parallel(self) -> int:
+        """How many batches a step trains on: one per group of ranks that share one."""
+        return self.procs // FEATURES[self.feature].width if self.feature else self.procs
 
 
 def parse_system(name: str) -> System:
@@ -32,9 +82,18 @@ def parse_system(name: str) -> System:
         return System(name, "floor")
     match = SYSTEM_NAME.match(name)
     if not match:
-        raise argparse.ArgumentTypeError(f"unknown system {name!r}: name floor or <xla|cpu>-[hf-]zero<0-3>-<N>p, "
-                                         "e.g. xla-zero3-2p (ZeRO-3 on 2 XLA processes; hf-: through the Trainer)")
-    return System(name, match[1], int(match[3]), int(match[4]), trainer=bool(match[2]))
+        raise argparse.ArgumentTypeError(
+            f"unknown system {name!r}: name {NAMING}, e.g. xla-zero3-2p (ZeRO-3 on 2 XLA processes; hf-: through the "
+            f"Trainer) or xla-zero1-2p-moe. Features: {feature_list()}")
+    system = System(name, match[1], int(match[3]), int(match[4]), trainer=bool(match[2]), feature=match[5])
+    feature = FEATURES.get(system.feature)
+    if feature:
+        for wrong, needs in ((system.trainer, "scripts/train.py, not the Trainer (hf-)"),
+                             (system.stage not in feature.stages, f"ZeRO stage {'/'.join(map(str, feature.stages))}"),
+                             (system.procs % feature.group, f"a multiple of {feature.group} processes")):
+            if wrong:
+                raise argparse.ArgumentTypeError(f"{name}: {system.feature} needs {needs}")
+    return system
 
 
 def matmul_params(dim: int, layers: int, vocab: int) -> int:
@@ -49,14 +108,22 @@ def flops_per_token(dim: int, layers: int, vocab: int, seq: int) -> int:
     return 6 * matmul_params(dim, layers, vocab) + 12 * layers * seq * dim
 
 
-def ds_config(stage: int, batch: int, zero_options: Optional[dict] = None) -> dict:
+def ds_config(stage: int, batch: int, zero_options: Optional[dict] = None, feature: Optional[str] = None) -> dict:
+    """A system's DeepSpeed config; ``feature`` adds its sections, ``zero_options`` (``--zero``) come last."""
     zero = {"stage": stage}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # partition every parameter, as a large model's are
+    extra = FEATURES[feature] if feature else Feature("")
+    zero.update(extra.zero)
     zero.update(zero_options or {})
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-            "zero_optimization": zero, "steps_per_print": 10 ** 9}
+            "zero_optimization": zero, "steps_per_print": 10 ** 9, **extra.config}
+
+
+def train_flags(system: System) -> List[str]:
+    """The ``scripts/train.py`` flags of ``system``'s feature."""
+    return list(FEATURES[system.feature].flags) if system.feature else []
 
 
 def zero_option(text: str):

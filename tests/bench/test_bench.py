@@ -3,7 +3,9 @@
 The floor's counts are facts of a hand-written torch_xla loop (one graph per step, nothing read back), so they
 are asserted; times and ratios are not (they live in docs/performance.md).
 """
+import argparse
 import json
+import math
 import sys
 
 import pytest
@@ -35,8 +37,56 @@ def test_system_names():
     trainer = systems.parse_system("xla-hf-zero2-2p")
     assert trainer == systems.System("xla-hf-zero2-2p", "xla", 2, 2, trainer=True)
     assert trainer.loop == "xla-zero2-2p"
-    with pytest.raises(Exception, match=r"floor or <xla\|cpu>-\[hf-\]zero<0-3>-<N>p"):
+    with pytest.raises(Exception, match=r"floor or <xla\|cpu>-\[hf-\]zero<0-3>-<N>p\[-<feature>\]"):
         systems.parse_system("xla-zero4-1p")
+
+
+@pytest.mark.parametrize("name, stage, procs, feature, data_parallel", [
+    ("xla-zero1-2p-moe", 1, 2, "moe", 2), ("cpu-zero1-2p-sp", 1, 2, "sp", 1), ("xla-zero1-4p-tp", 1, 4, "tp", 2),
+    ("xla-zero3-2p-hpz", 3, 2, "hpz", 2), ("xla-zero0-1p-ckpt", 0, 1, "ckpt", 1),
+    ("cpu-zero2-1p-offload", 2, 1, "offload", 1), ("xla-zero0-1p-compile", 0, 1, "compile", 1)])
+def test_feature_system_names(name, stage, procs, feature, data_parallel):
+    system = systems.parse_system(name)
+    assert system == systems.System(name, name[:3], stage, procs, feature=feature)
+    assert system.data_parallel == data_parallel  # the batches a step trains on: tp and sp ranks share one
+
+
+@pytest.mark.parametrize("name, refusal", [
+    ("xla-zero1-2p-lora", "unknown system .* Features: moe: "), ("xla-hf-zero1-2p-moe", "moe needs scripts/train.py"),
+    ("xla-zero2-2p-hpz", "hpz needs ZeRO stage 3"), ("xla-zero0-1p-offload", "offload needs ZeRO stage 1/2/3"),
+    ("xla-zero1-1p-sp", "sp needs a multiple of 2 processes"), ("xla-zero1-3p-tp", "tp needs a multiple of 2")])
+def test_feature_system_refusals_name_the_fix(name, refusal):
+    with pytest.raises(argparse.ArgumentTypeError, match=refusal):
+        systems.parse_system(name)
+
+
+def test_feature_configs_and_flags():
+    """Each feature's config sections join the system's (``--zero`` options last) and its train.py flags follow."""
+    plain = systems.ds_config(1, 4)
+    assert systems.ds_config(1, 4, feature="moe") == plain and systems.ds_config(1, 4, feature="ckpt") == plain
+    tp = systems.ds_config(1, 4, feature="tp")
+    assert tp == dict(plain, tensor_parallel={"autotp_size": 2, "partition_config": systems.TINYGPT_TP_LAYERS})
+    assert systems.ds_config(3, 4, feature="hpz")["zero_optimization"] == {
+        "stage": 3, "stage3_param_persistence_threshold": 0, "zero_hpz_partition_size": 2}
+    offload = systems.ds_config(2, 4, {"offload_optimizer": {"device": "cpu", "pin_memory": True}}, "offload")
+    assert offload["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    flags = {name: systems.train_flags(systems.parse_system(f"xla-zero1-2p-{name}")) for name in ("moe", "sp", "tp")}
+    assert flags == {"moe": ["--moe-experts", "2"], "sp": ["--sequence-parallel", "2"], "tp": []}
+    assert systems.train_flags(systems.parse_system("xla-zero1-2p")) == []
+
+
+def test_tensor_parallel_layers_are_tinygpts_projections(train_module):
+    """The config's AutoTP layer specs name TinyGPT's attention and MLP projections, each in the direction that
+    needs one all-reduce per pair, and no other parameter (its embeddings, LayerNorms and head stay whole)."""
+    from deepspeed.module_inject.autotp_config import AutoTPConfig
+    specs = AutoTPConfig.from_dict(systems.TINYGPT_TP_LAYERS)
+    matched = {}
+    for name, _ in train_module.TinyGPT(64, 16, 1, seq=16).named_parameters():
+        spec = specs.find_matching_spec(name, None)
+        if spec:
+            matched[name] = (spec.partition_type.value, spec.shape)
+    assert matched == {"blocks.0.qkv.weight": ("column", (3, -1)), "blocks.0.mlp.0.weight": ("column", None),
+                       "blocks.0.proj.weight": ("row", None), "blocks.0.mlp.2.weight": ("row", None)}
 
 
 # Parses the Trainer system's arguments as hf_train.py does, in a process of its own: TrainingArguments with a
@@ -92,6 +142,8 @@ def test_summary_takes_the_slowest_rank_of_each_step_and_the_worst_counts():
     assert (row["compilations_after_warmup"], row["executions_per_step"], row["transfers_per_step"]) == (1, 2, 1)
     assert (row["device_bytes_per_rank"], row["state_bytes_per_rank"], row["peak_rss_bytes"]) == (120, 60, 7)
     assert row["mfu"] is None
+    shared = results.summarize(systems.parse_system("xla-zero1-2p-sp"), ranks, args, peak_flops=None)
+    assert shared["tokens_per_s"] == 3 * 10 / 3.0 and shared["feature"] == "sp"  # both ranks train on one batch
     eager_rank = dict(ranks[0], counters={"warm": {}, "end": {}})  # what train.py writes off XLA
     eager = results.summarize(systems.System("cpu-zero0-1p", "cpu"), [eager_rank], args, 1e12)
     assert eager["executions_per_step"] is None and eager["mfu"] is None
@@ -121,7 +173,8 @@ def test_targets():
     results.add_loop_ratios([trainer, loop], [systems.parse_system("xla-hf-zero2-1p"),
                                              systems.parse_system("xla-zero2-1p")])
     assert trainer["ratio_to_loop"] == pytest.approx(1.2) and "ratio_to_loop" not in loop
-    report = {"systems": [row, loop, trainer],
+    feature = dict(row, system="xla-zero3-1p-offload", feature="offload", transfers_per_step=30.0)
+    report = {"systems": [row, loop, trainer, feature],
               "bandwidth": {"bytes": 64 << 20, "backend": "xla_host", "ratio": 0.7},
               "zero3_partition": {"ratio": 0.5}}
     verdicts = {t["what"]: t["met"] for t in results.check_targets(report)}
@@ -133,6 +186,7 @@ def test_targets():
         "xla-hf-zero2-1p step time / floor": False, "xla-hf-zero2-1p step time / xla-zero2-1p": False,
         "xla-hf-zero2-1p compilations after warm-up": True, "xla-hf-zero2-1p executions per step": True,
         "xla-hf-zero2-1p device->host transfers per step": True,
+        "xla-zero3-1p-offload compilations after warm-up": True,  # a feature's graphs and transfers are its own
         "all-reduce 64 MB, xla_host / gloo bandwidth": False,
         "ZeRO-3 parameter + optimizer bytes per rank, 2 processes / 1": True}
 
@@ -185,3 +239,36 @@ def test_floor_end_to_end(tmp_path, train_module):
     assert floor["ratio_to_floor"] == 1.0 and floor["median_step_s"] > 0
     assert "floor" in proc.stdout and "met     floor executions per step" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# The features that run code of scripts/train.py's own (a flag, or its data ranks under AutoTP), each once at its
+# smallest process count. hpZ and ZeRO-Offload are config sections only (test_feature_configs_and_flags), trained on
+# XLA by tests/launched/test_parallelism.py and test_fragment_api.py; a bench system costs 40-120 s here under the
+# suite's load (three interpreters start, and the first two steps compile), so they are left out.
+FEATURE_SYSTEMS = ["xla-zero1-2p-moe", "xla-zero1-2p-sp", "xla-zero1-2p-tp", "xla-zero0-1p-ckpt",
+                   "xla-zero0-1p-compile"]
+
+
+def test_feature_systems_end_to_end(tmp_path):
+    """One bench run of the feature systems on a 1-layer TinyGPT, 6 steps: each trains (finite, falling losses),
+    compiles nothing after warm-up and reports its counters; and the features visibly applied: AutoTP holds half of
+    the attention's qkv on a rank, MoE's experts are parameters, engine.compile() runs graphs of its own."""
+    out, work = tmp_path / "bench.json", tmp_path / "work"
+    proc = run_command([sys.executable, "-m", "deepspeed_xla.bench", "--systems", *FEATURE_SYSTEMS, "--steps", "6",
+                        "--warmup", "3", "--dim", "16", "--layers", "1", "--seq", "16", "--batch", "4",
+                        "--skip-bandwidth", "--out", str(out), "--workdir", str(work)], 1200, cwd=REPO,
+                       env=clean_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    rows = {row["system"]: row for row in json.loads(out.read_text())["systems"]}
+    assert list(rows) == FEATURE_SYSTEMS
+    for name, row in rows.items():
+        losses = json.loads((work / f"{name}.json").read_text())["losses"]
+        assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], (name, losses)
+        assert row["compilations_after_warmup"] == 0, name
+        assert row["executions_per_step"] >= 1 and row["transfers_per_step"] >= 0, name
+        assert f"met     {name} compilations after warm-up" in proc.stdout
+    tp_params = json.loads((work / "xla-zero1-2p-tp.json").read_text())["params"]
+    assert len(tp_params["blocks.0.qkv.weight"]) == 3 * 16 // 2
+    moe_params = json.loads((work / "xla-zero1-2p-moe.json").read_text())["params"]
+    assert any(".experts." in name for name in moe_params)
+    assert rows["xla-zero0-1p-compile"]["executions_per_step"] > 1  # a plain ZeRO-0 step is one graph
