@@ -1,7 +1,7 @@
 """DeepSpeed features a JSON config or one call turns on, on XLA against DeepSpeed's own CPU accelerator:
-activation checkpointing (``deepspeed.checkpointing``), the flops profiler, the CSV monitor, ``engine.compile()`` and
-the inference engine. The features XLA cannot run are refused at ``deepspeed.initialize``
-(``tests/launched/test_bad_input.py``).
+activation checkpointing (``deepspeed.checkpointing``), the flops profiler, the monitors (csv, TensorBoard, and wandb
+and comet offline), ``engine.compile()`` and the inference engine. The features XLA cannot run are refused at
+``deepspeed.initialize`` (``tests/launched/test_bad_input.py``).
 
 One process per accelerator trains every case in turn on a tiny model with the same data and seed (and 2 ranks the
 one case that needs them, activations partitioned across model-parallel ranks); it writes each case's per-step
@@ -13,7 +13,10 @@ the CPU accelerator only without dropout.
 import csv
 import json
 import os
+import struct
 import traceback
+import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,15 @@ OUT_ENV = "DSX_TEST_FEATURES_OUT"
 # accelerator as on XLA (IndexError), so it is in neither.
 MEMORY_OPTIONS = {"partition_activations": True, "cpu_checkpointing": True, "number_checkpoints": 2}
 SYNCHRONIZED = {"synchronize_checkpoint_boundary": True, "profile": True}
+# DeepSpeed's four monitors in one config, as its MonitorMaster drives them, writing under the case's folder ("MONITOR";
+# wandb and comet through their environment: ``offline_monitors``), the learning rate warming up so that each step logs
+# another value. Comet logs an event when ``samples_log_interval`` samples have passed since it last logged it: every
+# step here.
+MONITORED = {"csv_monitor": {"enabled": True, "output_path": "MONITOR", "job_name": "features"},
+             "tensorboard": {"enabled": True, "output_path": "MONITOR", "job_name": "features"},
+             "wandb": {"enabled": True, "project": "features"},
+             "comet": {"enabled": True, "online": False, "project": "features", "samples_log_interval": BATCH},
+             "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": STEPS}}}
 
 
 def config(**extra) -> dict:
@@ -47,8 +59,7 @@ CASES = {
     "checkpointed_dropout": ({"activation_checkpointing": MEMORY_OPTIONS}, "reentrant", 0.25, False),
     "non_reentrant_dropout": ({"activation_checkpointing": {}}, "non_reentrant", 0.25, False),
     "flops_profiler": ({"flops_profiler": {"enabled": True, "profile_step": 2}}, None, 0.0, False),
-    "csv_monitor": ({"csv_monitor": {"enabled": True, "output_path": "MONITOR", "job_name": "features"}}, None, 0.0,
-                    False),
+    "monitors": (MONITORED, None, 0.0, False),
     "compiled": ({}, None, 0.0, True),
 }
 
@@ -106,6 +117,9 @@ def train(name: str, workdir: Path, mpu=None) -> dict:
     import deepspeed
     extra, checkpointing, dropout, compiled = CASES[name]
     ds_config = json.loads(json.dumps(config(**extra)).replace("MONITOR", str(workdir / name)))
+    monitored = extra is MONITORED
+    if monitored:
+        offline_monitors(workdir / name)
     torch.manual_seed(1234)
     deepspeed.get_accelerator().manual_seed(1234)
     model = Net(checkpointing, dropout)
@@ -127,9 +141,31 @@ def train(name: str, workdir: Path, mpu=None) -> dict:
             first_params = host_params(engine)
     counters["end"] = graph_counters()
     deepspeed.checkpointing.reset()
-    monitor_dir = str(workdir / name) if "csv_monitor" in extra else None
+    if monitored:
+        end_monitor_runs(engine)
     return {"losses": [loss.item() for loss in losses], "counters": counters, "first_params": first_params,
-            "monitor_dir": monitor_dir, "params": host_params(engine)}
+            "monitor_dir": str(workdir / name) if monitored else None, "params": host_params(engine)}
+
+
+def offline_monitors(folder: Path) -> None:
+    """wandb and comet write their runs under ``folder`` and reach no server: DeepSpeed's config has no key for wandb's
+    mode or either's folder, so their environment says it, before either is imported. Comet's environment details
+    would look up its server's address (to report the host's own IP), and both send their own errors to Sentry unless
+    told not to (comet sets it up when imported). HOME is the process's own empty folder (``clean_env``), so no login
+    or settings of the machine's user are read; wandb's cache folder, where its core writes its logs, would be the
+    real one (``clean_env`` keeps XDG_CACHE_HOME for pip's and torch's caches)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ.update(WANDB_MODE="offline", WANDB_DIR=str(folder), WANDB_CACHE_DIR=str(folder / "wandb-cache"),
+                      WANDB_ERROR_REPORTING="false", COMET_OFFLINE_DIRECTORY=str(folder / "comet"),
+                      COMET_AUTO_LOG_ENV_DETAILS="false", COMET_ERROR_TRACKING_ENABLE="false")
+
+
+def end_monitor_runs(engine) -> None:
+    """DeepSpeed starts the wandb run and the comet experiment but never ends them (their exit hooks would): end them,
+    as a training script does, so that their files are complete before the record says the case is done."""
+    import wandb
+    wandb.finish()
+    engine.monitor.comet_monitor.experiment.end()
 
 
 def host_params(engine) -> dict:
@@ -279,19 +315,93 @@ def test_flops_profiler_leaves_the_training_alone(runs):
     assert counts_per_step(xla["flops_profiler"]) == ONE_GRAPH
 
 
-def test_csv_monitor_writes_what_the_cpu_accelerator_writes(runs, tmp_path_factory):
-    """The engine logs the learning rate each step, a host number: the files match and no step reads the device."""
+def test_monitors_write_what_the_cpu_accelerator_writes(runs):
+    """csv_monitor, TensorBoard, wandb and comet together: the engine hands them the learning rate each step, a host
+    number. Each monitor's files hold what the CPU accelerator's hold, every monitor the same events, one per step, and
+    no step reads the device."""
     xla, cpu = runs
-    assert_same_training(xla["csv_monitor"], cpu["csv_monitor"])
-    assert counts_per_step(xla["csv_monitor"]) == ONE_GRAPH
-    written = {}
-    for accelerator in ("xla", "cpu"):
-        folder = Path(xla["csv_monitor"]["monitor_dir"] if accelerator == "xla" else cpu["csv_monitor"]["monitor_dir"])
-        written[accelerator] = {path.relative_to(folder).as_posix(): list(csv.reader(path.open()))
-                                for path in sorted(folder.rglob("*.csv"))}
-    assert written["xla"] == written["cpu"] and written["xla"], written
-    rows = next(iter(written["xla"].values()))
-    assert len(rows) == STEPS + 1, rows  # a header and one row per step
+    assert_same_training(xla["monitors"], cpu["monitors"])
+    assert counts_per_step(xla["monitors"]) == ONE_GRAPH
+    written = {accelerator: {monitor: events(read(Path(record["monitors"]["monitor_dir"])))
+                             for monitor, read in MONITOR_READERS.items()}
+               for accelerator, record in (("xla", xla), ("cpu", cpu))}
+    assert written["xla"] == written["cpu"], written
+    logged = written["xla"]["csv_monitor"]
+    assert list(logged) == ["Train_Samples_lr"], logged
+    assert [step for step, _ in logged["Train_Samples_lr"]] == [BATCH * (step + 1) for step in range(STEPS)], logged
+    assert len({value for _, value in logged["Train_Samples_lr"]}) == STEPS, logged  # the warm-up: every value differs
+    for monitor, held in written["xla"].items():  # TensorBoard holds float32 numbers
+        assert held.keys() == logged.keys(), (monitor, held)
+        for name, points in held.items():
+            assert within(points, logged[name], atol=0.0, rtol=1e-6), (monitor, name, points)
+
+
+def events(logged) -> dict:
+    """``{name: [[step, value], ...]}`` of the ``(name, step, value)`` a monitor holds, named as csv_monitor names its
+    files ("/" -> "_"); only DeepSpeed's events (``Train/...``), not what a monitor logs of its own (wandb's ``_step``,
+    comet's ``process duration``)."""
+    held = {}
+    for name, step, value in logged:
+        if name.replace("/", "_").startswith("Train_"):
+            held.setdefault(name.replace("/", "_"), []).append([step, value])
+    return held
+
+
+def csv_events(folder: Path):
+    for path in sorted(folder.rglob("*.csv")):
+        header, *rows = csv.reader(path.open())
+        assert header[0] == "step", (path, header)
+        yield from ((path.stem, int(step), float(value)) for step, value in rows)
+
+
+def tensorboard_events(folder: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    accumulator = EventAccumulator(str(folder / MONITORED["tensorboard"]["job_name"])).Reload()
+    for tag in accumulator.Tags()["scalars"]:
+        yield from ((tag, event.step, event.value) for event in accumulator.Scalars(tag))
+
+
+def wandb_events(folder: Path):
+    """The history of the offline run, from its ``.wandb`` file: wandb 0.31 has no Python reader of it (its Go core
+    writes and syncs it), so the file's LevelDB-log framing is undone here (checksums checked) and each record parsed
+    with wandb's own protobuf. The run must have been finished (its exit record)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+    (run_file, ) = folder.glob("wandb/offline-run-*/run-*.wandb")
+    data = run_file.read_bytes()
+    assert data[:7] == b":W&B\xe1\xbe\x00", data[:7]  # ident, magic, version 0
+    records, chunk, position, block, header = [], b"", 7, 32768, 7
+    while position + header <= len(data):
+        if block - position % block < header:  # a block's tail too short for a record header is padding
+            position += block - position % block
+            continue
+        checksum, length, kind = struct.unpack_from("<IHB", data, position)
+        payload = data[position + header:position + header + length]
+        assert zlib.crc32(payload, zlib.crc32(bytes([kind]))) == checksum, (run_file, position)
+        chunk, position = chunk + payload, position + header + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            records.append(Record.FromString(chunk))
+            chunk = b""
+    kinds = [record.WhichOneof("record_type") for record in records]
+    assert "exit" in kinds, kinds
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            row = {".".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
+            yield from ((key, row["_step"], value) for key, value in row.items())
+
+
+def comet_events(folder: Path):
+    """The metric messages of the offline experiment's archive (written when it ends)."""
+    (archive, ) = (folder / "comet").glob("*.zip")
+    with zipfile.ZipFile(archive) as opened:
+        messages = [json.loads(line) for line in opened.read("messages.json").splitlines()]
+    for message in messages:
+        if message["type"] == "metric_msg":
+            metric = message["payload"]["metric"]
+            yield metric["metricName"], metric["step"], metric["metricValue"]
+
+
+MONITOR_READERS = {"csv_monitor": csv_events, "tensorboard": tensorboard_events, "wandb": wandb_events,
+                   "comet": comet_events}
 
 
 def test_engine_compile_trains_like_the_uncompiled_model(runs):
