@@ -23,8 +23,7 @@ from deepspeed_xla import xla_runtime
 from deepspeed_xla.devices.tpu import TpuDevice, one_chip_env
 from tests.conftest import FIXTURES, REPO, VENV_BIN, clean_env
 from tests.devices.test_tpu import _fake_metadata
-from tests.multiproc import (free_port, last_error, launch_command, run_command, run_jobs, run_python, run_ranks,
-                             within)
+from tests.multiproc import free_port, last_error, launch_command, run_command, run_jobs, run_python, run_ranks
 
 
 def _config(**settings) -> dict:
@@ -58,70 +57,23 @@ def test_fp16_names_bf16(monkeypatch, device, setting):
     DeepSpeedConfig(_config(bf16={"enabled": True}))
 
 
-OFFLOAD_SCRIPT = """
+# DeepSpeed's CPU Adam handed the XLA parameters themselves (the optimizer built by the script, no offload configured).
+CPU_ADAM_ON_XLA = """
 import json, sys, torch, deepspeed
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-STEPS = int(sys.argv[2])
-
-def run(zero, client_cpu_adam=False):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero}
-    optimizer = DeepSpeedCPUAdam(model.parameters(), lr=0.01) if client_cpu_adam else None
-    if optimizer is None:
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.01}}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(engine.device)
-    losses = []
-    try:
-        for _ in range(STEPS):
-            loss = engine(x).pow(2).mean()
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    except AssertionError as exc:
-        return {"error": str(exc)}
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=zero["stage"] == 3):
-        weights = [p.detach().float().cpu().flatten().tolist() for p in engine.module.parameters()]
-    return {"losses": losses, "weights": weights, "optimizer": type(engine.basic_optimizer).__name__}
-
-cpu = {"device": "cpu"}
-results = {"reference": run({"stage": 2}),
-           "zero2_offload": run({"stage": 2, "offload_optimizer": cpu}),
-           "zero3_offload": run({"stage": 3, "offload_optimizer": cpu, "offload_param": cpu}),
-           "cpu_adam_on_xla": run({"stage": 0}, client_cpu_adam=True)}
+model = torch.nn.Linear(8, 2)
+config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0}}
+engine, *_ = deepspeed.initialize(model=model, optimizer=DeepSpeedCPUAdam(model.parameters(), lr=0.01), config=config)
+try:
+    engine.backward(engine(torch.randn(4, 8).to(engine.device)).pow(2).mean())
+    engine.step()
+    error = None
+except AssertionError as exc:
+    error = str(exc)
 with open(sys.argv[1], "w") as handle:
-    json.dump(results, handle)
+    json.dump({"error": error}, handle)
 """
-
-
-# Adam's first step is lr x sign(gradient) whatever its moments hold: 8 steps make the moments, bias corrections and
-# step count that the offloaded DeepSpeedCPUAdam keeps on the host decide the weights.
-OFFLOAD_STEPS = 8
-
-
-@pytest.fixture(scope="module")
-def offload_runs(tmp_path_factory):
-    """One process, four tiny engines (``OFFLOAD_STEPS`` steps each): it loads DeepSpeed's CPU Adam once for both
-    tests."""
-    out = tmp_path_factory.mktemp("offload") / "results.json"
-    proc = _run([sys.executable, "-c", OFFLOAD_SCRIPT, str(out), str(OFFLOAD_STEPS)], out.parent, DS_ACCELERATOR="xla")
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(out.read_text())
-
-
-def test_offload_to_cpu_trains_like_no_offload(offload_runs):
-    """ZeRO-2 and ZeRO-3 with the optimizer (and ZeRO-3's parameters) offloaded: DeepSpeed's CPU Adam on host copies
-    gives the same losses and weights as the same engine's AdamW on XLA without offload."""
-    reference = offload_runs["reference"]
-    assert reference["optimizer"] == "FusedAdam" and len(reference["losses"]) == OFFLOAD_STEPS
-    assert reference["losses"][-1] < reference["losses"][0], "the reference did not train"
-    for run in ("zero2_offload", "zero3_offload"):
-        assert offload_runs[run]["optimizer"] == "DeepSpeedCPUAdam", run
-        assert within(offload_runs[run]["losses"], reference["losses"], atol=1e-5, rtol=0), run
-        for mine, theirs in zip(offload_runs[run]["weights"], reference["weights"], strict=True):
-            assert within(mine, theirs, atol=1e-5, rtol=1e-4), run
 
 
 def test_nvme_offload_names_cpu():
@@ -139,9 +91,12 @@ def test_cuda_only_optimizer_names_the_alternatives():
     DeepSpeedConfig(_config(optimizer=lion, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}))
 
 
-def test_cpu_only_optimizer_on_xla_params_names_offload(offload_runs):
-    assert "CPUAdam param is on xla:0 and must be 'cpu'" in offload_runs["cpu_adam_on_xla"]["error"]
-    assert "'offload_optimizer': 'cpu'" in offload_runs["cpu_adam_on_xla"]["error"]
+def test_cpu_only_optimizer_on_xla_params_names_offload(tmp_path):
+    out = tmp_path / "result.json"
+    proc = _run([sys.executable, "-c", CPU_ADAM_ON_XLA, str(out)], tmp_path, DS_ACCELERATOR="xla")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    error = json.loads(out.read_text())["error"]
+    assert "CPUAdam param is on xla:0 and must be 'cpu'" in error and "'offload_optimizer': 'cpu'" in error
 
 
 TOO_MANY = ("3 processes were requested on this host but it has 2 CPU device(s): launch with deepspeed --num_gpus 2 "

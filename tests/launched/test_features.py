@@ -1,6 +1,6 @@
 """DeepSpeed features a JSON config or one call turns on, on XLA against DeepSpeed's own CPU accelerator:
 activation checkpointing (``deepspeed.checkpointing``), the flops profiler, the monitors (csv, TensorBoard, and wandb
-and comet offline), ``engine.compile()`` and the inference engine. The features XLA cannot run are refused at
+and comet offline), ZeRO-Offload, ``engine.compile()`` and the inference engine. The features XLA cannot run are refused at
 ``deepspeed.initialize`` (``tests/launched/test_bad_input.py``).
 
 One process per accelerator trains every case in turn on a tiny model with the same data and seed (and 2 ranks the
@@ -61,6 +61,9 @@ CASES = {
     "flops_profiler": ({"flops_profiler": {"enabled": True, "profile_step": 2}}, None, 0.0, False),
     "monitors": (MONITORED, None, 0.0, False),
     "compiled": ({}, None, 0.0, True),
+    "offload_zero2": ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, None, 0.0, False),
+    "offload_zero3": ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                             "offload_param": {"device": "cpu"}}}, None, 0.0, False),
 }
 
 
@@ -169,7 +172,10 @@ def end_monitor_runs(engine) -> None:
 
 
 def host_params(engine) -> dict:
-    return {key: value.detach().cpu().flatten().tolist() for key, value in engine.module.named_parameters()}
+    import deepspeed
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=engine.zero_optimization_stage() == 3):
+        return {key: value.detach().cpu().flatten().tolist() for key, value in params.items()}
 
 
 def rank_main() -> None:
@@ -287,6 +293,27 @@ def test_activation_checkpointing_trains_like_cpu_accelerator(runs, name):
 CHECKPOINTING_GRAPHS = {"checkpointed": ONE_GRAPH, "non_reentrant": ONE_GRAPH,
                         "memory_options": {"compilations": 0, "executions": 3, "transfers_to_host": 2},
                         "synchronized": {"compilations": 0, "executions": 7, "transfers_to_host": 0}}
+
+
+@pytest.mark.parametrize("name", ["offload_zero2", "offload_zero3"])
+def test_offload_trains_like_cpu_accelerator(runs, name):
+    """ZeRO-Offload: DeepSpeed's CPU Adam steps fp32 copies in host memory (ZeRO-3 also keeps the parameters there):
+    the same losses and weights as the CPU accelerator, and as the model trained on the device without offload."""
+    xla, cpu = runs
+    assert_same_training(xla[name], cpu[name])
+    assert_same_training(xla[name], cpu["plain"])
+    params = len(list(Net(None, 0.0).parameters()))
+    assert counts_per_step(xla[name]) == OFFLOAD_GRAPHS[name](params)
+
+
+# Per step, after the warm-up, for a model of n parameters: DeepSpeed moves each gradient to the host on its own. ZeRO-2
+# reads the device three times a parameter (its overflow test, its copy into the host fp32 partition, its norm), then
+# the summed norm, and runs the step's graph. ZeRO-3 copies each gradient partition to the host (a graph each), moves
+# it back to the device and copies that to the host fp32 partition (a transfer without a graph); then the summed norm
+# is read twice (``float``, ``.cpu()``) and the step's graph runs.
+OFFLOAD_GRAPHS = {
+    "offload_zero2": lambda n: {"compilations": 0, "executions": 3 * n + 2, "transfers_to_host": 3 * n + 1},
+    "offload_zero3": lambda n: {"compilations": 0, "executions": n + 3, "transfers_to_host": 2 * n + 2}}
 
 
 @pytest.mark.parametrize("name, reference", [("checkpointed_dropout", "plain_dropout"),
