@@ -1,6 +1,7 @@
 """Shared fixtures. Everything runs on real XLA with PJRT CPU; processes that must stay free of the
 XLA runtime (launchers, startup hook checks) run as subprocesses."""
 import atexit
+import functools
 import os
 import shutil
 import sys
@@ -31,8 +32,6 @@ _SCRUB = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS
 # any other dotfile) cannot change what a test sees. What the runs do need from the real HOME is passed by location:
 # caches (pip's, matplotlib's, torch's) under XDG_CACHE_HOME, DeepSpeed's JIT-built ops in TORCH_EXTENSIONS_DIR (one
 # per venv, as scripts/setup_env.sh sets it), pip's own configuration (its index) through PIP_CONFIG_FILE.
-_HOMES = Path(tempfile.mkdtemp(prefix="dsx-test-homes-"))
-atexit.register(shutil.rmtree, _HOMES, ignore_errors=True)
 _REAL_HOME = Path.home()
 _KEPT_FROM_HOME = {
     "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME") or str(_REAL_HOME / ".cache"),
@@ -44,6 +43,15 @@ if _PIP_CONFIG and "PIP_CONFIG_FILE" not in os.environ:
     _KEPT_FROM_HOME["PIP_CONFIG_FILE"] = str(_PIP_CONFIG)
 
 
+@functools.lru_cache(maxsize=None)
+def _homes() -> Path:
+    """The folder of this process's launched runs' HOMEs, made by the first ``clean_env`` call: a rank's process also
+    imports this module, and one that ends without running ``atexit`` would leave its folder behind."""
+    homes = Path(tempfile.mkdtemp(prefix="dsx-test-homes-"))
+    atexit.register(shutil.rmtree, homes, ignore_errors=True)
+    return homes
+
+
 def clean_env(**overrides) -> dict:
     """A child environment with no launcher/XLA state, PJRT CPU, the venv's tools first on PATH, a fresh, empty
     HOME (``HOME=`` in ``overrides`` picks another) and the session's py-cpuinfo answer (``fixtures/cpuinfo_cache``;
@@ -51,8 +59,8 @@ def clean_env(**overrides) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB}
     env.update(_KEPT_FROM_HOME)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FIXTURES / "cpuinfo_cache"), env.get("PYTHONPATH")]))
-    env["DSX_TEST_CPUINFO"] = str(_HOMES / "cpuinfo.json")
-    env["HOME"] = tempfile.mkdtemp(dir=_HOMES)
+    env["DSX_TEST_CPUINFO"] = str(_homes() / "cpuinfo.json")
+    env["HOME"] = tempfile.mkdtemp(dir=_homes())
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PJRT_DEVICE"] = "CPU"
     env["PYTHONUNBUFFERED"] = "1"
