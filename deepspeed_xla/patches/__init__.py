@@ -24,6 +24,7 @@ _HAS_INF_OR_NAN_DIGEST = "f2891c8e640be50c"
 _FP16_OPTIMIZER = "deepspeed.runtime.fp16.fused_optimizer"
 _UNFUSED_OPTIMIZER = "deepspeed.runtime.fp16.unfused_optimizer"
 _MULTINODE_RUNNER = "deepspeed.launcher.multinode_runner"
+_STAGE_1_AND_2 = "deepspeed.runtime.zero.stage_1_and_2"
 
 PATCHES = [
     *(Patch(module, "", "has_inf_or_nan", grad_checks.has_inf_or_nan, _HAS_INF_OR_NAN_DIGEST)
@@ -53,8 +54,18 @@ PATCHES = [
     Patch(_UNFUSED_OPTIMIZER, "FP16_UnfusedOptimizer", "unscale_and_clip_grads",
           precision.unfused_optimizer_unscale_and_clip_grads, "40c007a365c26f97",
           reads=("unscale_and_clip_grads", "step")),
-    Patch("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "has_overflow",
+    Patch(_STAGE_1_AND_2, "DeepSpeedZeroOptimizer", "has_overflow",
           zero.stage_1_and_2_has_overflow, "cadc27a13cb7e977"),
+    Patch(_STAGE_1_AND_2, "DeepSpeedZeroOptimizer", "async_inplace_copy_grad_to_fp32_buffer_from_gpu",
+          zero.stage_1_and_2_offload_copy, "ac8267c47888ac4b",
+          reads=("async_inplace_copy_grad_to_fp32_buffer_from_gpu", "copy_grads_in_partition",
+                 "_finalize_cpu_offload_gradient_accumulation")),
+    Patch(_STAGE_1_AND_2, "DeepSpeedZeroOptimizer", "update_offload_overflow_tracker",
+          zero.stage_1_and_2_offload_overflow, "0bdf760deb3084fb",
+          reads=("update_offload_overflow_tracker", "has_overflow", "complete_grad_norm_calculation_for_cpu_offload")),
+    *(Patch(_STAGE_1_AND_2, "DeepSpeedZeroOptimizer", method, zero.stage_1_and_2_offload_flush, digest)
+      for method, digest in (("independent_gradient_partition_epilogue", "26ceef6d75b34b97"),
+                             ("_finalize_cpu_offload_gradient_accumulation", "6228bc321fee7607"))),
     Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "partition_grads",
           zero.stage3_partition_grads, "737384307101960d", reads=("partition_grads", "__init__")),
     Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_prepare_fp32_grad_for_sub_group",

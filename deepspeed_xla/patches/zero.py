@@ -1,11 +1,12 @@
-"""Patches of DeepSpeed's ZeRO (``deepspeed.runtime.zero``): ZeRO-3's step and hooks, ZeRO-1/2's overflow, and
-``zero.Init``'s move of parameters made on the host.
+"""Patches of DeepSpeed's ZeRO (``deepspeed.runtime.zero``): ZeRO-3's step and hooks, ZeRO-1/2's overflow and
+offloaded gradients, and ``zero.Init``'s move of parameters made on the host.
 
 Upstream writes and reads ZeRO's flat gradient buffer one parameter view at a time, which torch_xla
 lowers as a select (or a replayed slice) over the whole buffer per parameter, and ZeRO-3's autograd
 Functions pay torch's argument binding on every call: host work per parameter and per module, every
-step. ZeRO-1/2 all-reduce and read an overflow flag the device-side step guard already covers. These
-wrappers do the same work once per buffer, or leave it to the device, with the same values.
+step. ZeRO-1/2 all-reduce and read an overflow flag the device-side step guard already covers, and with
+the optimizer offloaded read three device values per parameter. These wrappers do the same work once per
+buffer, or leave it to the device, with the same values.
 """
 import functools
 import inspect
@@ -225,5 +226,84 @@ def zero_init_moves_host_params(original):
         for param in params:
             _onto_device(param, self.local_device)
         return original(self, module_or_params)
+
+    return method
+
+
+# What ZeRO-1/2 offload leaves for the end of the backward (``_flush_offload_reads``), kept on the optimizer.
+_OFFLOAD_PENDING = "_dsx_offload_pending"
+
+
+def _offload_pending(optimizer) -> dict:
+    return optimizer.__dict__.setdefault(_OFFLOAD_PENDING, {"copies": [], "overflow": []})
+
+
+def stage_1_and_2_offload_copy(original):
+    """ZeRO-1/2 offload: a gradient's copy into the host fp32 partition waits for the end of the backward.
+
+    Upstream copies each parameter's gradient to the host as it is reduced: on XLA a graph, a compilation
+    in the first steps and a device->host transfer per parameter. Here the gradient's value is taken now
+    (a copy, not a view of a reduction bucket a later bucket overwrites) and ``_flush_offload_reads``
+    moves all of them in one transfer.
+    """
+
+    @functools.wraps(original)
+    def copy(self, param):
+        grad = self.get_param_gradient_attribute(param)
+        if grad is None or grad.device.type != "xla":
+            return original(self, param)
+        group, source_offset, dest_offset, numel = self.grad_position[self.get_param_id(param)]
+        dest = self.single_partition_of_fp32_groups[group].grad.view(-1).narrow(0, dest_offset, numel)
+        source = grad.view(-1).narrow(0, source_offset, numel).to(self.master_weights_and_grads_dtype)
+        _offload_pending(self)["copies"].append((dest, source.clone()))
+        self.clear_grad_attribute(param)
+
+    return copy
+
+
+def stage_1_and_2_offload_overflow(original):
+    """ZeRO-1/2 offload: a gradient's overflow test is read with the gradients (upstream reads each on its own)."""
+
+    @functools.wraps(original)
+    def update_offload_overflow_tracker(self, grad):
+        if grad is None or grad.device.type != "xla":
+            return original(self, grad)
+        _offload_pending(self)["overflow"].append(self._has_inf_or_nan(grad.data))
+
+    return update_offload_overflow_tracker
+
+
+def _flush_offload_reads(optimizer) -> None:
+    """One device->host transfer for what ZeRO-1/2 offload reads per parameter: the deferred gradient copies, the
+    overflow tests, and the per-parameter gradient norms, which upstream's norm then sums on the host."""
+    pending = optimizer.__dict__.pop(_OFFLOAD_PENDING, None)
+    if not pending:
+        return
+    import torch
+    from deepspeed_xla import xla_runtime
+    norms = {key: norm for key, norm in optimizer.norm_for_param_grads.items() if norm.device.type == "xla"}
+    copies, flags = pending["copies"], pending["overflow"]
+    parts = [source.reshape(-1).float() for _, source in copies]
+    parts += [value.reshape(1).float() for value in (*norms.values(), *flags)]
+    host = xla_runtime.to_host([torch.cat(parts)])[0]
+    values = iter(host.split([part.numel() for part in parts]))
+    for dest, _ in copies:
+        dest.copy_(next(values))
+    for key, norm in norms.items():
+        optimizer.norm_for_param_grads[key] = next(values)[0].to(norm.dtype)
+    if flags and any(flag.item() for flag in values):
+        optimizer.local_overflow = True
+
+
+def stage_1_and_2_offload_flush(original):
+    """Ends the backward of ZeRO-1/2 offload (``independent_gradient_partition_epilogue``, and
+    ``_finalize_cpu_offload_gradient_accumulation`` when the engine does not manage the backward) with the reads
+    ``stage_1_and_2_offload_copy`` and ``stage_1_and_2_offload_overflow`` deferred."""
+
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        _flush_offload_reads(self)
+        return result
 
     return method

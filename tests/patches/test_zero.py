@@ -1,4 +1,5 @@
-"""``patches/zero.py``: ZeRO-3's step shortcuts give upstream's values with less host work."""
+"""``patches/zero.py``: ZeRO-3's step shortcuts and ZeRO-1/2 offload's batched reads give upstream's values with
+less host work."""
 import inspect
 
 import pytest
@@ -152,3 +153,41 @@ def test_zero_init_partitions_a_parameter_made_on_the_host(accelerator):
         first, second = torch.FloatTensor(5).uniform_(), torch.FloatTensor(5).uniform_()
         for name, drawn in (("conv1.param_in", first), ("param", second)):
             torch.testing.assert_close(torch.tensor(found["gathered"][name]), drawn.bfloat16().float())
+
+
+def offload_overflow_flags() -> None:
+    """A rank: ZeRO-2 with the optimizer offloaded, DeepSpeed's overflow flag after a finite backward and after one
+    whose gradients hold NaN, with the norm DeepSpeed sums from the per-parameter norms."""
+    import json
+    import deepspeed
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x = torch.ones(2, 4).to(engine.device)
+    found = {}
+    for name, scale in (("finite", 1.0), ("nan", float("nan"))):
+        engine.backward(engine(x).sum() * scale)
+        norm = optimizer.complete_grad_norm_calculation_for_cpu_offload(optimizer.params_in_partition[0])
+        found[name] = {"overflow": bool(optimizer.local_overflow), "norm": float(norm)}
+        engine.step()
+    print(json.dumps(found))
+
+
+def test_offload_reads_the_overflow_deepspeed_reads(tmp_path):
+    """ZeRO-1/2 offload's overflow test and gradient norms, read in one transfer at the end of the backward, give
+    what the CPU accelerator's per-parameter reads give: no overflow and the same norm for finite gradients, an
+    overflow (and DeepSpeed's -1 for a norm that is not finite) for NaN ones."""
+    import json
+    from tests.multiproc import on_both_accelerators, run_ranks
+
+    def launch(accelerator, _):
+        proc, = run_ranks("tests.patches.test_zero:offload_overflow_flags", 1, env={"DS_ACCELERATOR": accelerator})
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    xla, cpu = on_both_accelerators(launch, tmp_path)
+    assert xla["finite"]["overflow"] is cpu["finite"]["overflow"] is False
+    assert xla["nan"] == cpu["nan"] == {"overflow": True, "norm": -1.0}
+    assert xla["finite"]["norm"] == pytest.approx(cpu["finite"]["norm"], rel=1e-6)
