@@ -33,6 +33,7 @@ _SCRUB = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS
 # caches (pip's, matplotlib's, torch's) under XDG_CACHE_HOME, DeepSpeed's JIT-built ops in TORCH_EXTENSIONS_DIR (one
 # per venv, as scripts/setup_env.sh sets it), pip's own configuration (its index) through PIP_CONFIG_FILE.
 _REAL_HOME = Path.home()
+_CPUINFO = "DSX_TEST_CPUINFO"
 _KEPT_FROM_HOME = {
     "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME") or str(_REAL_HOME / ".cache"),
     "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or str(VENV_BIN.parent / "torch_extensions"),
@@ -59,7 +60,7 @@ def clean_env(**overrides) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES) and k not in _SCRUB}
     env.update(_KEPT_FROM_HOME)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FIXTURES / "cpuinfo_cache"), env.get("PYTHONPATH")]))
-    env["DSX_TEST_CPUINFO"] = str(_homes() / "cpuinfo.json")
+    env[_CPUINFO] = os.environ.get(_CPUINFO) or str(_homes() / "cpuinfo.json")
     env["HOME"] = tempfile.mkdtemp(dir=_homes())
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PJRT_DEVICE"] = "CPU"
@@ -74,7 +75,10 @@ def clean_env(**overrides) -> dict:
 def pytest_configure(config) -> None:
     """In-process tests use DeepSpeed with the XLA accelerator: set before a test module imports deepspeed. Here, not
     at import: a rank's code that imports this module (through ``tests.multiproc``) keeps the accelerator its
-    environment names."""
+    environment names. The session's py-cpuinfo answer (``fixtures/cpuinfo_cache``) is one file for the pytest-xdist
+    workers too, which inherit this process's environment."""
+    if not os.environ.get(_CPUINFO):
+        os.environ[_CPUINFO] = str(_homes() / "cpuinfo.json")
     os.environ["DS_ACCELERATOR"] = "xla"
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     os.environ.update(FAST_COMPILE)
