@@ -1,12 +1,12 @@
-"""Patches of DeepSpeed's ZeRO (``deepspeed.runtime.zero``): ZeRO-3's step and hooks, ZeRO-1/2's overflow and
+"""Patches of DeepSpeed's ZeRO (``deepspeed.runtime.zero``): ZeRO-3's step and hooks, ZeRO-1/2's overflow,
 offloaded gradients, and ``zero.Init``'s move of parameters made on the host.
 
 Upstream writes and reads ZeRO's flat gradient buffer one parameter view at a time, which torch_xla
 lowers as a select (or a replayed slice) over the whole buffer per parameter, and ZeRO-3's autograd
 Functions pay torch's argument binding on every call: host work per parameter and per module, every
-step. ZeRO-1/2 all-reduce and read an overflow flag the device-side step guard already covers, and with
-the optimizer offloaded read three device values per parameter. These wrappers do the same work once per
-buffer, or leave it to the device, with the same values.
+step. ZeRO-1/2 all-reduce and read an overflow flag the device-side step guard already covers. With the
+optimizer offloaded, every stage moves gradients to the host one parameter at a time. These wrappers do the
+same work once per buffer, or leave it to the device, with the same values.
 """
 import functools
 import inspect
@@ -20,13 +20,18 @@ def stage3_partition_grads(original):
     did (parameters x buffer) element operations, like ``contiguous_gradients`` in ZeRO-1/2. Here
     the new buffer is concatenated from the partitions and the untouched spans and copied in once;
     the per-parameter views DeepSpeed reads afterwards see the same values. Offloaded gradients
-    live in host memory and keep the upstream path. Relies on the buffer's layout, which ``__init__``
-    builds in ``fp16_groups`` order (``_flat_offsets``).
+    live in host memory: at the end of an accumulation they go there in one transfer
+    (``_offloaded_partitions_to_host``); while accumulating they keep the upstream path. Relies on
+    the buffer's layout, which ``__init__`` builds in ``fp16_groups`` order (``_flat_offsets``).
     """
 
     @functools.wraps(original)
     def partition_grads(self, params_to_release, grad_partitions):
         flat = self.grad_partitions_flat_buffer
+        on_xla = any(grad.device.type == "xla" for grad in grad_partitions)
+        if (self.offload_optimizer and on_xla and self.micro_step_id == 0
+                and self.is_gradient_accumulation_boundary()):
+            return _offloaded_partitions_to_host(self, params_to_release, grad_partitions)
         if self.offload_optimizer or flat.device.type != "xla":
             return original(self, params_to_release, grad_partitions)
         import torch
@@ -61,6 +66,34 @@ def stage3_partition_grads(original):
         return buffers
 
     return partition_grads
+
+
+def _offloaded_partitions_to_host(optimizer, params_to_release, grad_partitions) -> list:
+    """ZeRO-3 offload's ``partition_grads`` without accumulation, its gradient partitions moved to the host flat
+    buffer in one transfer. Upstream copies each partition to the host, back to the device and to the host again
+    (into the optimizer's fp32 partition): a graph and two transfers per parameter. Here DeepSpeed's boundary work
+    (the norm, the fp32 copy or the NVMe swap) reads the host copy."""
+    import torch
+    from deepspeed_xla import xla_runtime
+    views = optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+    kept = []
+    for param, grad_partition in zip(params_to_release, grad_partitions):
+        param.grad = None
+        if param.partition_numel() * optimizer._get_param_partition_rank(param) < param.ds_numel:
+            kept.append((param, grad_partition))  # else this rank's partition of the parameter is padding only
+    if not kept:
+        return []
+    dtype = optimizer.grad_partitions_flat_buffer.dtype
+    host = xla_runtime.to_host([torch.cat([grad.reshape(-1).to(dtype) for _, grad in kept])])[0]
+    offload_fp32_gradients, offload_fp32_offsets, buffers = {}, {}, []
+    for (param, grad), values in zip(kept, host.split([grad.numel() for _, grad in kept])):
+        optimizer._offload_boundary_param_ids.add(param.ds_id)
+        buffer = views[param.ds_id].narrow(0, 0, grad.numel())
+        buffer.copy_(values)
+        buffers.append(buffer)
+        optimizer._offload_grad_partition_at_boundary(param, buffer, offload_fp32_gradients, offload_fp32_offsets)
+    optimizer._swap_out_offload_fp32_gradients(offload_fp32_gradients, offload_fp32_offsets)
+    return buffers
 
 
 def _flat_offsets(optimizer) -> dict:
