@@ -46,8 +46,9 @@ if _PIP_CONFIG and "PIP_CONFIG_FILE" not in os.environ:
 
 @functools.lru_cache(maxsize=None)
 def _homes() -> Path:
-    """The folder of this process's launched runs' HOMEs, made by the first ``clean_env`` call: a rank's process also
-    imports this module, and one that ends without running ``atexit`` would leave its folder behind."""
+    """The folder of this process's launched runs' HOMEs (and of the session's py-cpuinfo answer), made when first
+    asked for, not at import: a rank's process also imports this module, and one that ends without running ``atexit``
+    would leave its folder behind."""
     homes = Path(tempfile.mkdtemp(prefix="dsx-test-homes-"))
     atexit.register(shutil.rmtree, homes, ignore_errors=True)
     return homes

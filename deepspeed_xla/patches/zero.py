@@ -28,9 +28,8 @@ def stage3_partition_grads(original):
     @functools.wraps(original)
     def partition_grads(self, params_to_release, grad_partitions):
         flat = self.grad_partitions_flat_buffer
-        on_xla = any(grad.device.type == "xla" for grad in grad_partitions)
-        if (self.offload_optimizer and on_xla and self.micro_step_id == 0
-                and self.is_gradient_accumulation_boundary()):
+        if (self.offload_optimizer and self.micro_step_id == 0 and self.is_gradient_accumulation_boundary()
+                and any(grad.device.type == "xla" for grad in grad_partitions)):
             return _offloaded_partitions_to_host(self, params_to_release, grad_partitions)
         if self.offload_optimizer or flat.device.type != "xla":
             return original(self, params_to_release, grad_partitions)
@@ -68,6 +67,14 @@ def stage3_partition_grads(original):
     return partition_grads
 
 
+def _to_host_at_once(tensors, dtype) -> list:
+    """Host copies of XLA ``tensors``, flattened and as ``dtype``, from one graph execution and one transfer."""
+    import torch
+    from deepspeed_xla import xla_runtime
+    flat = torch.cat([tensor.reshape(-1).to(dtype) for tensor in tensors])
+    return list(xla_runtime.to_host([flat])[0].split([tensor.numel() for tensor in tensors]))
+
+
 def _offloaded_partitions_to_host(optimizer, params_to_release, grad_partitions) -> list:
     """ZeRO-3 offload's ``partition_grads`` without accumulation, its gradient partitions moved to the host flat
     buffer in one transfer. Upstream copies each partition to the host, back to the device and to the host again
@@ -84,9 +91,8 @@ def _offloaded_partitions_to_host(optimizer, params_to_release, grad_partitions)
     if not kept:
         return []
     dtype = optimizer.grad_partitions_flat_buffer.dtype
-    host = xla_runtime.to_host([torch.cat([grad.reshape(-1).to(dtype) for _, grad in kept])])[0]
     offload_fp32_gradients, offload_fp32_offsets, buffers = {}, {}, []
-    for (param, grad), values in zip(kept, host.split([grad.numel() for _, grad in kept])):
+    for (param, grad), values in zip(kept, _to_host_at_once([grad for _, grad in kept], dtype)):
         optimizer._offload_boundary_param_ids.add(param.ds_id)
         buffer = views[param.ds_id].narrow(0, 0, grad.numel())
         buffer.copy_(values)
@@ -313,13 +319,9 @@ def _flush_offload_reads(optimizer) -> None:
     if not pending:
         return
     import torch
-    from deepspeed_xla import xla_runtime
     norms = {key: norm for key, norm in optimizer.norm_for_param_grads.items() if norm.device.type == "xla"}
     copies, flags = pending["copies"], pending["overflow"]
-    parts = [source.reshape(-1).float() for _, source in copies]
-    parts += [value.reshape(1).float() for value in (*norms.values(), *flags)]
-    host = xla_runtime.to_host([torch.cat(parts)])[0]
-    values = iter(host.split([part.numel() for part in parts]))
+    values = iter(_to_host_at_once([source for _, source in copies] + [*norms.values(), *flags], torch.float32))
     for dest, _ in copies:
         dest.copy_(next(values))
     for key, norm in norms.items():
