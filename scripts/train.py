@@ -3,11 +3,12 @@ r"""Train a small GPT-style decoder with DeepSpeed; runs unchanged on XLA, CPU o
     DS_ACCELERATOR=xla PJRT_DEVICE=CPU deepspeed --num_gpus 2 scripts/train.py --deepspeed_config scripts/configs/zero2.json
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 scripts/train.py --deepspeed_config scripts/configs/zero2.json
     DS_ACCELERATOR=xla deepspeed --num_gpus 2 scripts/train.py --deepspeed_config scripts/configs/zero1.json \
-        --moe-experts 2   # or --sequence-parallel 2, --activation-checkpointing, --compile
+        --moe-experts 2   # or --sequence-parallel 2, --activation-checkpointing, --compile, --zero-init (ZeRO-3)
 
-Those flags add DeepSpeed's MoE, Ulysses, activation checkpointing and ``engine.compile()``; AutoTP, ZeRO++ hpZ and
-ZeRO-Offload need only config sections (``python -m deepspeed_xla.bench --systems xla-zero1-2p-tp`` writes one into
-its work folder; deepspeed_xla/bench/systems.py, FEATURES).
+Those flags add DeepSpeed's MoE, Ulysses, activation checkpointing, ``engine.compile()`` and ``zero.Init``; AutoTP,
+ZeRO++ hpZ, ZeRO-Offload, the monitors and the flops profiler need only config sections (``python -m
+deepspeed_xla.bench --systems xla-zero1-2p-tp`` writes one into its work folder; deepspeed_xla/bench/systems.py,
+FEATURES).
 
 The data is generated (a noisy modular-arithmetic token stream), so nothing is downloaded. Every rank
 draws its own micro-batches from a seeded generator, identically on every accelerator, which is what
@@ -17,6 +18,7 @@ lets the tests compare per-step losses across accelerators. ``--losses-out`` wri
 ``--timings`` is how ``python -m deepspeed_xla.bench`` runs it: losses read once at the end, each step waited for.
 """
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -301,6 +303,8 @@ def main(argv=None) -> None:
                              "activation_checkpointing section applies)")
     parser.add_argument("--compile", action="store_true", help="engine.compile(): torch.compile, the accelerator's "
                                                                "backend")
+    parser.add_argument("--zero-init", action="store_true", help="build the model inside deepspeed.zero.Init, each "
+                        "parameter partitioned as it is made (a ZeRO-3 config)")
     parser.add_argument("--client-optimizer", nargs="?", const="adamw", choices=sorted(CLIENT_OPTIMIZERS),
                         help="build this torch optimizer (default AdamW) before deepspeed.initialize instead of "
                              "using the config's")
@@ -322,9 +326,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.nan_grad_at is not None and args.pipeline_stages:
         parser.error("--nan-grad-at works on the plain engine only (the pipeline engine runs its own backward)")
-    if args.pipeline_stages and (args.moe_experts or args.sequence_parallel > 1 or args.activation_checkpointing):
-        parser.error("--moe-experts, --sequence-parallel and --activation-checkpointing build TinyGPT, not the "
-                     "pipeline's layers (which --activation-checkpoint-interval checkpoints)")
+    if args.pipeline_stages and (args.moe_experts or args.sequence_parallel > 1 or args.activation_checkpointing
+                                 or args.zero_init):
+        parser.error("--moe-experts, --sequence-parallel, --activation-checkpointing and --zero-init build TinyGPT, "
+                     "not the pipeline's layers (which --activation-checkpoint-interval checkpoints)")
     if args.save_at and not args.save_dir:
         parser.error("--save-at needs --save-dir (where to write the checkpoints)")
 
@@ -338,8 +343,13 @@ def main(argv=None) -> None:
     if args.pipeline_stages:
         model = pipeline_model(args, args.pipeline_stages)
     else:
-        model = TinyGPT(args.vocab, args.dim, args.layers, seq=args.seq, experts=args.moe_experts,
-                        sequence_group=sequence_group, activation_checkpointing=args.activation_checkpointing)
+        with (deepspeed.zero.Init(config_dict_or_path=args.deepspeed_config) if args.zero_init
+              else contextlib.nullcontext()):
+            model = TinyGPT(args.vocab, args.dim, args.layers, seq=args.seq, experts=args.moe_experts,
+                            sequence_group=sequence_group, activation_checkpointing=args.activation_checkpointing)
+        if args.zero_init and deepspeed.comm.get_rank() == 0:
+            print(f"zero.Init built {sum(p.ds_numel for p in model.parameters()):,} parameters partitioned, "
+                  f"{sum(p.ds_tensor.numel() for p in model.parameters()):,} held on rank 0", flush=True)
     params = list(model.parameters())
     if args.moe_experts:  # ZeRO keeps the experts' parameters apart: they are data-parallel over fewer ranks
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer

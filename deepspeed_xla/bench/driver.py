@@ -84,7 +84,8 @@ def run_system(system: System, args: argparse.Namespace, train_script: Path, wor
                "--batch", str(args.batch), "--vocab", str(args.vocab), "--seed", str(args.seed)]
     else:
         config = workdir / f"{system.name}.config.json"
-        config.write_text(json.dumps(ds_config(system.stage, args.batch, args.zero, system.feature)))
+        outputs = workdir / system.name
+        config.write_text(json.dumps(ds_config(system.stage, args.batch, args.zero, system.feature, outputs)))
         target = (trainer_arguments(args, train_script, config, out, workdir) if system.trainer
                   else train_arguments(args, train_script, config, out, system))
         cmd = deepspeed_command(system.procs, target)

@@ -3,6 +3,7 @@ import argparse
 import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 LR, WEIGHT_DECAY = 0.003, 0.01  # scripts/configs/*.json and train.py --client-optimizer
@@ -19,11 +20,13 @@ TINYGPT_TP_LAYERS = {"use_default_specs": False, "layer_specs": [
 @dataclass(frozen=True)
 class Feature:
     """A DeepSpeed feature a system trains with (a suffix of its name): ``scripts/train.py``'s flags and the config
-    sections that turn it on; ``width`` ranks share one batch (tensor and sequence parallelism), and the processes
+    sections that turn it on; ``outputs`` name the (section, key) of each file or folder it writes, which the bench
+    points into its work folder; ``width`` ranks share one batch (tensor and sequence parallelism), and the processes
     must be a multiple of ``group``."""
     what: str
     flags: Tuple[str, ...] = ()
     config: dict = field(default_factory=dict)
+    outputs: Tuple[Tuple[str, str], ...] = ()
     zero: dict = field(default_factory=dict)
     stages: Tuple[int, ...] = (0, 1, 2, 3)
     width: int = 1
@@ -44,6 +47,15 @@ FEATURES = {
     "offload": Feature("ZeRO-Offload, the optimizer on the host", zero={"offload_optimizer": {"device": "cpu"}},
                        stages=(1, 2, 3)),
     "compile": Feature("engine.compile() with the accelerator's torch.compile backend", ("--compile",)),
+    "zinit": Feature("the model built inside deepspeed.zero.Init, partitioned as it is made", ("--zero-init",),
+                     stages=(3,)),
+    "monitors": Feature("the CSV and TensorBoard monitors, written every step", config={
+        "csv_monitor": {"enabled": True, "job_name": "bench"}, "tensorboard": {"enabled": True, "job_name": "bench"}},
+        outputs=(("csv_monitor", "output_path"), ("tensorboard", "output_path"))),
+    # DeepSpeed counts profile_step from 1: the second step, inside the warm-up, whose timings the bench leaves out.
+    "profiler": Feature("the flops profiler on the second step (inside the warm-up)", config={
+        "flops_profiler": {"enabled": True, "profile_step": 1, "detailed": False}},
+        outputs=(("flops_profiler", "output_file"),)),
 }
 SYSTEM_NAME = re.compile(rf"(xla|cpu)-(hf-)?zero([0-3])-([1-9][0-9]*)p(?:-({'|'.join(FEATURES)}))?$")
 NAMING = "floor or <xla|cpu>-[hf-]zero<0-3>-<N>p[-<feature>]"
@@ -108,17 +120,22 @@ def flops_per_token(dim: int, layers: int, vocab: int, seq: int) -> int:
     return 6 * matmul_params(dim, layers, vocab) + 12 * layers * seq * dim
 
 
-def ds_config(stage: int, batch: int, zero_options: Optional[dict] = None, feature: Optional[str] = None) -> dict:
-    """A system's DeepSpeed config; ``feature`` adds its sections, ``zero_options`` (``--zero``) come last."""
+def ds_config(stage: int, batch: int, zero_options: Optional[dict] = None, feature: Optional[str] = None,
+              outputs: Path = Path(".")) -> dict:
+    """A system's DeepSpeed config; ``feature`` adds its sections, writing under ``outputs``; ``zero_options``
+    (``--zero``) come last."""
     zero = {"stage": stage}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # partition every parameter, as a large model's are
     extra = FEATURES[feature] if feature else Feature("")
     zero.update(extra.zero)
     zero.update(zero_options or {})
+    sections = {name: dict(section) for name, section in extra.config.items()}
+    for name, key in extra.outputs:
+        sections[name][key] = str(outputs / name)
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-            "zero_optimization": zero, "steps_per_print": 10 ** 9, **extra.config}
+            "zero_optimization": zero, "steps_per_print": 10 ** 9, **sections}
 
 
 def train_flags(system: System) -> List[str]:

@@ -9,6 +9,7 @@ import math
 import sys
 
 import pytest
+import torch
 
 from deepspeed_xla.bench import cli, example, results, systems
 from tests.conftest import REPO, clean_env
@@ -44,7 +45,9 @@ def test_system_names():
 @pytest.mark.parametrize("name, stage, procs, feature, data_parallel", [
     ("xla-zero1-2p-moe", 1, 2, "moe", 2), ("cpu-zero1-2p-sp", 1, 2, "sp", 1), ("xla-zero1-4p-tp", 1, 4, "tp", 2),
     ("xla-zero3-2p-hpz", 3, 2, "hpz", 2), ("xla-zero0-1p-ckpt", 0, 1, "ckpt", 1),
-    ("cpu-zero2-1p-offload", 2, 1, "offload", 1), ("xla-zero0-1p-compile", 0, 1, "compile", 1)])
+    ("cpu-zero2-1p-offload", 2, 1, "offload", 1), ("xla-zero0-1p-compile", 0, 1, "compile", 1),
+    ("xla-zero3-2p-zinit", 3, 2, "zinit", 2), ("xla-zero2-1p-monitors", 2, 1, "monitors", 1),
+    ("cpu-zero0-2p-profiler", 0, 2, "profiler", 2)])
 def test_feature_system_names(name, stage, procs, feature, data_parallel):
     system = systems.parse_system(name)
     assert system == systems.System(name, name[:3], stage, procs, feature=feature)
@@ -53,6 +56,7 @@ def test_feature_system_names(name, stage, procs, feature, data_parallel):
 
 @pytest.mark.parametrize("name, refusal", [
     ("xla-zero1-2p-lora", "unknown system .* Features: moe: "), ("xla-hf-zero1-2p-moe", "moe needs scripts/train.py"),
+    ("xla-zero2-1p-zinit", "zinit needs ZeRO stage 3"),
     ("xla-zero2-2p-hpz", "hpz needs ZeRO stage 3"), ("xla-zero0-1p-offload", "offload needs ZeRO stage 1/2/3"),
     ("xla-zero1-1p-sp", "sp needs a multiple of 2 processes"), ("xla-zero1-3p-tp", "tp needs a multiple of 2")])
 def test_feature_system_refusals_name_the_fix(name, refusal):
@@ -72,7 +76,22 @@ def test_feature_configs_and_flags():
     assert offload["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
     flags = {name: systems.train_flags(systems.parse_system(f"xla-zero1-2p-{name}")) for name in ("moe", "sp", "tp")}
     assert flags == {"moe": ["--moe-experts", "2"], "sp": ["--sequence-parallel", "2"], "tp": []}
+    assert systems.train_flags(systems.parse_system("xla-zero3-1p-zinit")) == ["--zero-init"]
     assert systems.train_flags(systems.parse_system("xla-zero1-2p")) == []
+
+
+def test_feature_outputs_go_to_the_systems_folder(tmp_path):
+    """The monitors and the profiler write into the folder the bench gives the system, and the feature's own table
+    is left as it was (the next system gets a fresh copy)."""
+    monitors = systems.ds_config(1, 4, feature="monitors", outputs=tmp_path)
+    assert monitors["csv_monitor"] == {"enabled": True, "job_name": "bench",
+                                       "output_path": str(tmp_path / "csv_monitor")}
+    assert monitors["tensorboard"]["output_path"] == str(tmp_path / "tensorboard")
+    profiler = systems.ds_config(1, 4, feature="profiler", outputs=tmp_path)["flops_profiler"]
+    assert profiler == {"enabled": True, "profile_step": 1, "detailed": False,
+                        "output_file": str(tmp_path / "flops_profiler")}
+    assert "output_path" not in systems.FEATURES["monitors"].config["csv_monitor"]
+    assert systems.ds_config(3, 4, feature="zinit") == systems.ds_config(3, 4)
 
 
 def test_tensor_parallel_layers_are_tinygpts_projections(train_module):
@@ -242,17 +261,19 @@ def test_floor_end_to_end(tmp_path, train_module):
 
 
 # The features that run code of scripts/train.py's own (a flag, or its data ranks under AutoTP), each once at its
-# smallest process count. hpZ and ZeRO-Offload are config sections only (test_feature_configs_and_flags), trained on
-# XLA by tests/launched/test_parallelism.py and test_fragment_api.py; a bench system costs 40-120 s here under the
-# suite's load (three interpreters start, and the first two steps compile), so they are left out.
+# smallest process count. hpZ, ZeRO-Offload, the monitors and the profiler are config sections only
+# (test_feature_configs_and_flags, test_feature_outputs_go_to_the_systems_folder), trained on XLA by
+# tests/launched/test_parallelism.py, test_fragment_api.py and test_features.py; a bench system costs 40-120 s here
+# under the suite's load (three interpreters start, and the first two steps compile), so they are left out.
 FEATURE_SYSTEMS = ["xla-zero1-2p-moe", "xla-zero1-2p-sp", "xla-zero1-2p-tp", "xla-zero0-1p-ckpt",
-                   "xla-zero0-1p-compile"]
+                   "xla-zero0-1p-compile", "xla-zero3-1p-zinit"]
 
 
 def test_feature_systems_end_to_end(tmp_path):
     """One bench run of the feature systems on a 1-layer TinyGPT, 6 steps: each trains (finite, falling losses),
     compiles nothing after warm-up and reports its counters; and the features visibly applied: AutoTP holds half of
-    the attention's qkv on a rank, MoE's experts are parameters, engine.compile() runs graphs of its own."""
+    the attention's qkv on a rank, MoE's experts are parameters, engine.compile() runs graphs of its own, zero.Init
+    made every parameter partitioned."""
     out, work = tmp_path / "bench.json", tmp_path / "work"
     proc = run_command([sys.executable, "-m", "deepspeed_xla.bench", "--systems", *FEATURE_SYSTEMS, "--steps", "6",
                         "--warmup", "3", "--dim", "16", "--layers", "1", "--seq", "16", "--batch", "4",
@@ -272,3 +293,6 @@ def test_feature_systems_end_to_end(tmp_path):
     moe_params = json.loads((work / "xla-zero1-2p-moe.json").read_text())["params"]
     assert any(".experts." in name for name in moe_params)
     assert rows["xla-zero0-1p-compile"]["executions_per_step"] > 1  # a plain ZeRO-0 step is one graph
+    zinit_params = json.loads((work / "xla-zero3-1p-zinit.json").read_text())["params"]
+    numel = sum(torch.tensor(values).numel() for values in zinit_params.values())
+    assert f"zero.Init built {numel:,} parameters partitioned" in (work / "xla-zero3-1p-zinit.log").read_text()
