@@ -87,6 +87,8 @@ PATCHES = [
           "dd82a70f2f92fe12"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_distributed_model",
           engine.configure_distributed_model, "a9a57b807f5eed72"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_distributed_model",
+          engine.refuse_partitioned_model_below_stage_3, "a9a57b807f5eed72"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_zero_optimizer",
           engine.configure_zero_optimizer, "f31cf07a5d4f4170"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", engine.sync_after,

@@ -50,6 +50,23 @@ def configure_distributed_model(original):
     return configure
 
 
+def refuse_partitioned_model_below_stage_3(original):
+    """A model built inside ``deepspeed.zero.Init`` holds empty parameters that only ZeRO-3 gathers; any other stage
+    runs its forward on them and fails deep in it (on XLA, an operand-shape check in the graph's lowering)."""
+
+    @functools.wraps(original)
+    def configure(self, model):
+        partitioned = [name for name, param in model.named_parameters() if hasattr(param, "ds_id")]
+        if partitioned and not self.zero_optimization_partition_weights():
+            raise ValueError(
+                f"the model was built inside deepspeed.zero.Init ({len(partitioned)} partitioned parameter(s), e.g. "
+                f"{partitioned[0]}), but zero_optimization.stage is {self.zero_optimization_stage()}: only ZeRO-3 "
+                "gathers such parameters. Set \"stage\": 3, or build the model outside deepspeed.zero.Init.")
+        return original(self, model)
+
+    return configure
+
+
 def sync_after(original):
     """End the lazy graph when ``original`` returns.
 

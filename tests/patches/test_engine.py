@@ -54,3 +54,23 @@ def test_contiguous_gradients_off_unless_the_config_sets_it(stage):
     assert _configure_zero({"stage": stage}).contiguous_gradients is False
     assert _configure_zero({"stage": stage, "contiguous_gradients": True}).contiguous_gradients is True
     assert _configure_zero({"stage": stage}, has_moe_layers=True).contiguous_gradients is True  # ZeRO-2 MoE needs it
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_zero_init_model_needs_zero_3(stage):
+    """A model whose parameters ``zero.Init`` partitioned (``ds_id``) is refused below ZeRO-3, naming both ways out;
+    at ZeRO-3, and for a model built outside ``zero.Init``, the engine's own method runs."""
+    from types import SimpleNamespace
+    engine = SimpleNamespace(zero_optimization_stage=lambda: stage,
+                             zero_optimization_partition_weights=lambda: stage == 3)
+    configure = patches.engine.refuse_partitioned_model_below_stage_3(lambda self, model: "configured")
+    plain, built_partitioned = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    built_partitioned.weight.ds_id = 0
+    assert configure(engine, plain) == "configured"
+    if stage == 3:
+        assert configure(engine, built_partitioned) == "configured"
+    else:
+        with pytest.raises(ValueError, match=rf"inside deepspeed.zero.Init \(1 partitioned parameter\(s\), e.g. "
+                                             rf"weight\), but zero_optimization.stage is {stage}: .*Set \"stage\": 3, "
+                                             "or build the model outside deepspeed.zero.Init"):
+            configure(engine, built_partitioned)
