@@ -20,16 +20,15 @@ def stage3_partition_grads(original):
     did (parameters x buffer) element operations, like ``contiguous_gradients`` in ZeRO-1/2. Here
     the new buffer is concatenated from the partitions and the untouched spans and copied in once;
     the per-parameter views DeepSpeed reads afterwards see the same values. Offloaded gradients
-    live in host memory: at the end of an accumulation they go there in one transfer
-    (``_offloaded_partitions_to_host``); while accumulating they keep the upstream path. Relies on
-    the buffer's layout, which ``__init__`` builds in ``fp16_groups`` order (``_flat_offsets``).
+    live in host memory: a bucket's go there in one transfer, summed on the device with what earlier
+    micro-steps accumulated (``_offloaded_partitions_to_host``). Relies on the buffer's layout, which
+    ``__init__`` builds in ``fp16_groups`` order (``_flat_offsets``).
     """
 
     @functools.wraps(original)
     def partition_grads(self, params_to_release, grad_partitions):
         flat = self.grad_partitions_flat_buffer
-        if (self.offload_optimizer and self.micro_step_id == 0 and self.is_gradient_accumulation_boundary()
-                and any(grad.device.type == "xla" for grad in grad_partitions)):
+        if self.offload_optimizer and any(grad.device.type == "xla" for grad in grad_partitions):
             return _offloaded_partitions_to_host(self, params_to_release, grad_partitions)
         if self.offload_optimizer or flat.device.type != "xla":
             return original(self, params_to_release, grad_partitions)
@@ -76,12 +75,11 @@ def _to_host_at_once(tensors, dtype) -> list:
 
 
 def _offloaded_partitions_to_host(optimizer, params_to_release, grad_partitions) -> list:
-    """ZeRO-3 offload's ``partition_grads`` without accumulation, its gradient partitions moved to the host flat
-    buffer in one transfer. Upstream copies each partition to the host, back to the device and to the host again
-    (into the optimizer's fp32 partition): a graph and two transfers per parameter. Here DeepSpeed's boundary work
-    (the norm, the fp32 copy or the NVMe swap) reads the host copy."""
-    import torch
-    from deepspeed_xla import xla_runtime
+    """ZeRO-3 offload's ``partition_grads``, its gradient partitions moved to the host flat buffer in one transfer;
+    after the first micro-step of an accumulation each is first added, on the device, to the sum the buffer holds
+    (an upload). Upstream copies each partition to the host, back to the device and to the host again (into the
+    optimizer's fp32 partition): a graph and two transfers per parameter. Here DeepSpeed's boundary work (the norm,
+    the fp32 copy or the NVMe swap) reads the host copy."""
     views = optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
     kept = []
     for param, grad_partition in zip(params_to_release, grad_partitions):
@@ -91,15 +89,21 @@ def _offloaded_partitions_to_host(optimizer, params_to_release, grad_partitions)
     if not kept:
         return []
     dtype = optimizer.grad_partitions_flat_buffer.dtype
-    offload_fp32_gradients, offload_fp32_offsets, buffers = {}, {}, []
-    for (param, grad), values in zip(kept, _to_host_at_once([grad for _, grad in kept], dtype)):
+    held = [views[param.ds_id].narrow(0, 0, grad.numel()) for param, grad in kept]
+    sums = [grad for _, grad in kept]
+    if optimizer.micro_step_id != 0:
+        sums = [buffer.to(grad.device) + grad.to(optimizer.gradient_accumulation_dtype).view(buffer.shape)
+                for buffer, grad in zip(held, sums)]
+    boundary = optimizer.is_gradient_accumulation_boundary()
+    offload_fp32_gradients, offload_fp32_offsets = {}, {}
+    for (param, _), buffer, values in zip(kept, held, _to_host_at_once(sums, dtype)):
         optimizer._offload_boundary_param_ids.add(param.ds_id)
-        buffer = views[param.ds_id].narrow(0, 0, grad.numel())
         buffer.copy_(values)
-        buffers.append(buffer)
-        optimizer._offload_grad_partition_at_boundary(param, buffer, offload_fp32_gradients, offload_fp32_offsets)
+        if boundary:
+            optimizer._offload_grad_partition_at_boundary(param, buffer, offload_fp32_gradients,
+                                                          offload_fp32_offsets)
     optimizer._swap_out_offload_fp32_gradients(offload_fp32_gradients, offload_fp32_offsets)
-    return buffers
+    return held
 
 
 def _flat_offsets(optimizer) -> dict:
@@ -298,6 +302,41 @@ def stage_1_and_2_offload_copy(original):
         self.clear_grad_attribute(param)
 
     return copy
+
+
+def stage_1_and_2_offload_accumulate(original):
+    """ZeRO-1/2 offload with gradient accumulation: a micro-step's sum reaches the host buffer at the end of the
+    backward, in the one transfer of ``_flush_offload_reads``.
+
+    Upstream adds the host buffer into each parameter's gradient on the device and copies the sum back to it as
+    the parameter is reduced: on XLA a graph, compilations in the first steps and a transfer per parameter and
+    micro-step. The buffer is still read as each parameter is reduced (an upload, no graph); only the copy back waits.
+    """
+
+    @functools.wraps(original)
+    def accumulate(self, param):
+        grad = self.get_param_gradient_attribute(param)
+        if grad is None or grad.device.type != "xla":
+            return original(self, param)
+        import torch
+        from deepspeed.accelerator import get_accelerator
+        param_id = self.get_param_id(param)
+        group, source_offset, dest_offset, numel = self.grad_position[param_id]
+        if self.low_precision_master_weights_and_grads:  # the host keeps only this rank's part, in the fp32 grads
+            held = self.single_partition_of_fp32_groups[group].grad.view(-1).narrow(0, dest_offset, numel)
+            summed = grad.data.view(-1).narrow(0, source_offset, numel)
+        else:
+            held = self.accumulated_grads_in_cpu.get(param_id)
+            if held is None:
+                held = torch.zeros(param.numel(), dtype=param.dtype)
+                held = get_accelerator().pin_memory(held) if self.cpu_offload_pin_memory else held
+            summed = grad.data.view(-1)
+        self.accumulated_grads_in_cpu.setdefault(param_id, held)
+        if self.micro_step_id > 0:
+            summed.add_(held.to(summed.device, summed.dtype))
+        _offload_pending(self)["copies"].append((held, summed.clone()))
+
+    return accumulate
 
 
 def stage_1_and_2_offload_overflow(original):

@@ -62,8 +62,12 @@ CASES = {
     "monitors": (MONITORED, None, 0.0, False),
     "compiled": ({}, None, 0.0, True),
     "offload_zero2": ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, None, 0.0, False),
+    "offload_zero2_accumulated": ({"gradient_accumulation_steps": 2, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}}}, None, 0.0, False),
     "offload_zero3": ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                              "offload_param": {"device": "cpu"}}}, None, 0.0, False),
+    "offload_zero3_accumulated": ({"gradient_accumulation_steps": 2, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}, None, 0.0, False),
 }
 
 
@@ -132,8 +136,10 @@ def train(name: str, workdir: Path, mpu=None) -> dict:
     if compiled:
         engine.compile()
     losses, counters, first_params = [], {}, None
+    accumulation = engine.gradient_accumulation_steps()  # a "step" of the loop is a micro-step
+    warm_at = -(-WARMUP // accumulation) * accumulation  # counted from the start of an optimizer step
     for step in range(STEPS):
-        if step == WARMUP:
+        if step == warm_at:
             counters["warm"] = graph_counters()
         x, y = batch(step)
         loss = engine(x.to(engine.device), y.to(engine.device))
@@ -147,6 +153,7 @@ def train(name: str, workdir: Path, mpu=None) -> dict:
     if monitored:
         end_monitor_runs(engine)
     return {"losses": [loss.item() for loss in losses], "counters": counters, "first_params": first_params,
+            "counted_steps": (STEPS - warm_at) // accumulation,
             "monitor_dir": str(workdir / name) if monitored else None, "params": host_params(engine)}
 
 
@@ -259,7 +266,8 @@ def runs(tmp_path_factory):
 
 def counts_per_step(record: dict) -> dict:
     warm, end = record["counters"]["warm"], record["counters"]["end"]
-    return {key: (end[key] - warm[key]) / (1 if key == "compilations" else STEPS - WARMUP) for key in end}
+    steps = record.get("counted_steps", STEPS - WARMUP)  # optimizer steps
+    return {key: (end[key] - warm[key]) / (1 if key == "compilations" else steps) for key in end}
 
 
 def assert_same_training(xla: dict, cpu: dict, params: str = "params") -> None:
@@ -309,6 +317,16 @@ def test_offload_trains_like_cpu_accelerator(runs, name):
 # its overflow test and its norm) in one graph and transfer at the end of the backward (``patches/zero.py``), the
 # summed norm read after its all-reduce, and the step's graph.
 OFFLOAD_GRAPHS = {"compilations": 0, "executions": 3, "transfers_to_host": 2}
+
+
+@pytest.mark.parametrize("name", ["offload_zero2_accumulated", "offload_zero3_accumulated"])
+def test_offload_with_gradient_accumulation_trains_like_cpu_accelerator(runs, name):
+    """ZeRO-Offload over 2 micro-steps a step: each micro-step's sums reach the host buffers DeepSpeed accumulates
+    in, the same losses and weights as the CPU accelerator; per step, the first micro-step's backward adds one graph
+    and one transfer (its sums, at its end) to the boundary's three and two."""
+    xla, cpu = runs
+    assert_same_training(xla[name], cpu[name])
+    assert counts_per_step(xla[name]) == {"compilations": 0, "executions": 4, "transfers_to_host": 3}
 
 
 @pytest.mark.parametrize("name, reference", [("checkpointed_dropout", "plain_dropout"),
