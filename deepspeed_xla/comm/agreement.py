@@ -86,7 +86,7 @@ class Agreement:
     def _post(self, peer: int) -> dist.Work:
         """The receive of ``peer``'s next message."""
         if peer not in self._inboxes:
-            inbox = torch.empty(CHUNK, dtype=torch.uint8)
+            inbox = torch.empty(CHUNK, dtype=torch.uint8, device="cpu")  # "cpu": zero.Init moves bare ones
             self._inboxes[peer] = inbox, memoryview(inbox.numpy())
         return self._gloo.recv([self._inboxes[peer][0]], peer, TAG)
 
@@ -102,7 +102,7 @@ class Agreement:
         length, self._names[peer] = _HEADER.unpack_from(view)
         payload = view[_HEADER.size:min(_HEADER.size + length, CHUNK)].tobytes()  # what the first message held
         if len(payload) < length:
-            rest = torch.empty(length - len(payload), dtype=torch.uint8)
+            rest = torch.empty(length - len(payload), dtype=torch.uint8, device="cpu")
             wait_all(self._gloo.recv([rest], peer, TAG))
             payload += rest.numpy().tobytes()
         self._received[peer].extend(payload.decode().split("\n"))

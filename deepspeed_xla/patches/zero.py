@@ -328,7 +328,7 @@ def stage_1_and_2_offload_accumulate(original):
         else:
             held = self.accumulated_grads_in_cpu.get(param_id)
             if held is None:
-                held = torch.zeros(param.numel(), dtype=param.dtype)
+                held = torch.zeros(param.numel(), dtype=param.dtype, device="cpu")
                 held = get_accelerator().pin_memory(held) if self.cpu_offload_pin_memory else held
             summed = grad.data.view(-1)
         self.accumulated_grads_in_cpu.setdefault(param_id, held)

@@ -125,3 +125,21 @@ def test_signatures_name_what_every_member_passes():
         "all_gather float32[3,5] -> float32[3,5],float32[3,5]"
     assert agreement.signature("reduce", tensors, detail="SUM, root 1") == "reduce(SUM, root 1) float32[3,5],bfloat16[]"
     assert agreement.signature("all_to_all_single", tensors, sizes=False) == "all_to_all_single float32,bfloat16"
+
+
+def test_receive_buffers_stay_on_the_host_inside_zero_init(monkeypatch, xla_device):
+    """Inside ``deepspeed.zero.Init`` a tensor made without a device lands on the accelerator (DeepSpeed's own
+    constructor wrapper), and a ZeRO-3 model being built there broadcasts its parameters: the signature streams'
+    receive buffers, a batch's first message and its rest, must still be host memory that numpy reads."""
+    from deepspeed.runtime.zero.partition_parameters import zero_wrapper_for_fp_tensor_constructor
+    ops = [_all_reduce(n) for n in range(1, 9)]
+    monkeypatch.setattr(torch, "empty", zero_wrapper_for_fp_tensor_constructor(torch.empty, F32, xla_device))
+    assert torch.empty(1, dtype=torch.uint8).device == xla_device
+    monkeypatch.setattr(agreement, "CHUNK", 64)
+    wire, (first, second) = _pair()
+    for member in (first, second):
+        member.announce(ops)
+    for op in ops:
+        first.agree(op)
+        second.agree(op)
+    assert wire.messages == 4  # each rank's batch: its first CHUNK bytes, then the rest
