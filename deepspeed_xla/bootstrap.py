@@ -6,7 +6,8 @@
 DeepSpeed has no plugin mechanism and captures its accelerator while ``import deepspeed`` is still
 running, so the only reliable moment to register is right after ``real_accelerator``'s module body
 ran. A ``sys.meta_path`` finder wraps that module, the few that ``patches/`` touches, and torch_xla, after whose
-import a launched worker sets up its device (``_AFTER_IMPORT``).
+import a launched worker sets up its device (``_AFTER_IMPORT``) and before whose import its model-export module is
+deferred (``_BEFORE_IMPORT``).
 The same finder imports the big frameworks with the cyclic garbage collector paused (``_FROZEN_IMPORTS``).
 Nothing here imports torch or deepspeed:
 this file costs every Python process a few stat calls and must stay that cheap (only gc/os/sys).
@@ -28,6 +29,7 @@ _AFTER_IMPORT = {
     "deepspeed.accelerator.real_accelerator": ("deepspeed_xla.registration", "on_real_accelerator_loaded"),
     "torch_xla": ("deepspeed_xla.process_setup", "on_torch_xla_loaded"),
     "deepspeed.runtime.config": _PATCHES_HOOK,
+    "deepspeed.runtime.compiler": _PATCHES_HOOK,
     "deepspeed.runtime.engine": _PATCHES_HOOK,
     "deepspeed.runtime.utils": _PATCHES_HOOK,
     "deepspeed.runtime.bf16_optimizer": _PATCHES_HOOK,
@@ -48,6 +50,8 @@ _AFTER_IMPORT = {
     "transformers.trainer": _PATCHES_HOOK,
     "transformers.training_args": _PATCHES_HOOK,
 }
+# module -> (our module, function) run with the module object just before its body executes.
+_BEFORE_IMPORT = {"torch_xla": ("deepspeed_xla.patches.stablehlo", "defer")}
 #: Top-level packages whose import runs with the cyclic GC paused, then frozen (why: ``_exec_frozen``).
 _FROZEN_IMPORTS = ("torch", "torch_xla", "deepspeed")
 
@@ -63,7 +67,8 @@ class _DeepSpeedFinder:
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _WrappingLoader(spec.loader, _AFTER_IMPORT.get(fullname), fullname in _FROZEN_IMPORTS)
+                spec.loader = _WrappingLoader(spec.loader, _BEFORE_IMPORT.get(fullname), _AFTER_IMPORT.get(fullname),
+                                              fullname in _FROZEN_IMPORTS)
                 return spec
         return None
 
@@ -86,25 +91,31 @@ def _exec_frozen(loader, module) -> None:
             gc.enable()
 
 
+def _run_hook(hook, module) -> None:
+    if hook:
+        import importlib
+        module_name, function = hook
+        getattr(importlib.import_module(module_name), function)(module)
+
+
 class _WrappingLoader:
 
-    def __init__(self, loader, hook, frozen: bool):
+    def __init__(self, loader, before, after, frozen: bool):
         self._loader = loader
-        self._hook = hook
+        self._before = before
+        self._after = after
         self._frozen = frozen
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
+        _run_hook(self._before, module)
         if self._frozen:
             _exec_frozen(self._loader, module)
         else:
             self._loader.exec_module(module)
-        if self._hook:
-            import importlib
-            module_name, function = self._hook
-            getattr(importlib.import_module(module_name), function)(module)
+        _run_hook(self._after, module)
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
