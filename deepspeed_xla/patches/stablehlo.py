@@ -18,7 +18,7 @@ MODULE = "torch_xla.stablehlo"
 #: What torch_xla/__init__.py imports from the module (tests/patches/test_stablehlo.py reads it there).
 STAND_IN_NAMES = ("save_as_stablehlo", "save_torch_model_as_stablehlo")
 WRITTEN_FOR = "2.9.0"
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entered if the real module, while loading, reads an attribute of the stand-in
 
 
 class _StandIn(types.ModuleType):

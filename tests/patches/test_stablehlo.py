@@ -63,3 +63,21 @@ def test_a_failed_load_keeps_the_stand_in(monkeypatch):
     with pytest.raises(ModuleNotFoundError):
         stablehlo._stand_in.anything
     assert sys.modules["dsx_no_such_module"] is stablehlo._stand_in
+
+
+def test_the_loading_module_may_read_the_stand_in(tmp_path, monkeypatch):
+    """While the real module's body runs, the package attribute still names the stand-in: reading through it
+    answers from the loading module instead of waiting for its own load."""
+    import sys
+    import threading
+    (tmp_path / "dsx_reentrant.py").write_text(
+        "value = 1\nfrom deepspeed_xla.patches import stablehlo\nseen = stablehlo._stand_in.value + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(stablehlo, "MODULE", "dsx_reentrant")
+    monkeypatch.setitem(sys.modules, "dsx_reentrant", stablehlo._stand_in)
+    answer = []
+    reader = threading.Thread(target=lambda: answer.append(stablehlo._stand_in.seen), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    assert answer == [2]
+    assert sys.modules["dsx_reentrant"].__name__ == "dsx_reentrant"
