@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple, Tuple
 
 WRITTEN_FOR = "0.19.8"
 #: The release of each patched distribution the wrappers were written for.
-VERSIONS = {"deepspeed": WRITTEN_FOR, "accelerate": "1.15.0", "transformers": "5.23.0"}
+VERSIONS = {"deepspeed": WRITTEN_FOR, "accelerate": "1.15.0", "transformers": "5.23.0", "torch_xla": "2.9.0"}
 
 
 class Patch(NamedTuple):

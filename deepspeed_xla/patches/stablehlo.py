@@ -14,10 +14,12 @@ import threading
 import types
 from importlib import metadata
 
+from deepspeed_xla import xla_runtime
+from deepspeed_xla.patches.registry import VERSIONS
+
 MODULE = "torch_xla.stablehlo"
 #: What torch_xla/__init__.py imports from the module (tests/patches/test_stablehlo.py reads it there).
 STAND_IN_NAMES = ("save_as_stablehlo", "save_torch_model_as_stablehlo")
-WRITTEN_FOR = "2.9.0"
 _lock = threading.RLock()  # re-entered if the real module, while loading, reads an attribute of the stand-in
 
 
@@ -61,7 +63,8 @@ def defer(torch_xla: types.ModuleType) -> None:
     """Startup-hook entry, before torch_xla's body runs: the stand-in, for the torch_xla release it was written for
     and when the XLA accelerator is DeepSpeed's (other processes import torch_xla unchanged)."""
     from deepspeed_xla.devices import wants_xla
-    if MODULE in sys.modules or not wants_xla() or metadata.version("torch_xla").split("+")[0] != WRITTEN_FOR:
+    if (MODULE in sys.modules or not wants_xla()
+            or xla_runtime.base_version(metadata.version("torch_xla")) != VERSIONS["torch_xla"]):
         return
     _stand_in.__spec__ = importlib.machinery.PathFinder.find_spec(MODULE, torch_xla.__path__)
     _stand_in.__file__ = _stand_in.__spec__.origin
