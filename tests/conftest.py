@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
-# Tests compile PJRT CPU graphs at XLA's lowest backend optimization level and with XLA CPU's older
-# elemental emitters instead of its per-fusion MLIR emitters: the same HLO graphs, cheaper machine code
-# (a 2-rank run's compile time drops ~3x with the first, a bf16 run's by another ~40% with the second:
-# its gradient copies make hundreds of small fusions). Results stay within the tolerances.
-FAST_COMPILE = {"XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"}
+# Tests compile PJRT CPU graphs at XLA's lowest backend optimization level, with XLA CPU's older
+# elemental emitters instead of its per-fusion MLIR emitters, and as one LLVM module instead of parallel
+# parts: the same HLO graphs, cheaper machine code (a bf16 run's gradient copies make hundreds of small
+# fusions; two cores gain nothing from the parts). Results stay within the tolerances; the figures are in
+# docs/performance.md ("Figures behind the code").
+FAST_COMPILE = {"XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                             "--xla_cpu_parallel_codegen_split_count=1"}
 
 REPO = Path(__file__).resolve().parents[1]
 #: Folders of ``sitecustomize.py`` files that a launched run puts on its PYTHONPATH to watch or break itself
