@@ -4,9 +4,9 @@
 
 Every configuration (ZeRO 1, 2 and 3 in fp32, ZeRO 2 and 3 in bf16) trains through every launcher, PEFT LoRA on
 ZeRO 2 and 3 through ``deepspeed``; each launcher's runs share one job (``tests/train_many.py``), and every
-configuration runs once on the CPU accelerator (one job for all: the launcher only decides the process environment,
-the training is the same). The ``deepspeed`` and ``accelerate`` jobs run with accelerate and transformers seeing a
-TPU (the branches every TPU VM takes; ``tests/fixtures/huggingface``). The ``torchrun`` job ends by resuming the
+configuration runs once on the CPU accelerator (one job for all, its ranks forked from a fork server: the launcher
+only decides the process environment, the training is the same). The ``deepspeed`` and ``accelerate`` jobs run with
+accelerate and transformers seeing a TPU (the branches every TPU VM takes; ``tests/fixtures/huggingface``). The ``torchrun`` job ends by resuming the
 ZeRO-2 and ZeRO-3 runs of the ``deepspeed`` job from the Trainer checkpoints they saved. Every run starts from one
 saved model (``from_pretrained``; under ZeRO-3 it is built inside ``deepspeed.zero.Init``, whose initialization
 would draw from each device's own RNG).
@@ -19,7 +19,7 @@ from typing import Dict, List
 import pytest
 
 from tests.conftest import FIXTURES, REPO
-from tests.multiproc import assert_weights_like, launch_command, run_job, within
+from tests.multiproc import assert_weights_like, launch_command, run_forked_job, run_job, within
 
 HF_TRAIN = REPO / "scripts" / "hf_train.py"
 TRAIN_MANY = REPO / "tests" / "train_many.py"
@@ -120,14 +120,17 @@ class HfRuns:
         jobdir.mkdir(parents=True, exist_ok=True)
         plan_file = jobdir / "runs.json"
         plan_file.write_text(json.dumps(runs))
-        cmd, env = launch_command([TRAIN_MANY, "--script", HF_TRAIN, "--runs", plan_file],
-                                  "cpu" if side == "cpu" else "xla", 2, extra_env, launcher, launcher_args)
-        run_job(cmd, env, jobdir, timeout=300 + 150 * len(runs))
+        args, timeout = ["--script", HF_TRAIN, "--runs", plan_file], 300 + 150 * len(runs)
+        if launcher == "fork":
+            run_forked_job("tests.train_many:main", "cpu", 2, extra_env, timeout, args=args)
+            return
+        cmd, env = launch_command([TRAIN_MANY, *args], "xla", 2, extra_env, launcher, launcher_args)
+        run_job(cmd, env, jobdir, timeout)
 
     def _cpu_job(self) -> None:
         self._job("cpu", [self._run(name, "cpu") for name in CONFIGS],
                   {"USE_TORCH_XLA": "0", "PYTHONPATH": FIXTURES / "huggingface", "DSX_TEST_HF_CPU_REFERENCE": "1"},
-                  "deepspeed")
+                  "fork")
 
     def _xla_job(self, launcher: str) -> None:
         runs = [self._run(name, launcher) for name, side in XLA_RUNS if side == launcher]
