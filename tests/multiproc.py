@@ -70,11 +70,11 @@ def last_error(proc: subprocess.CompletedProcess) -> str:
     return proc.stderr.strip().splitlines()[-1]
 
 
-# Variables read only after start-up and after torch and torch_xla are imported: ranks whose environments differ only
-# in these (and in those a caller of ``start_ranks`` names) fork from one ``tests/fork_server.py``. The launcher's,
-# DeepSpeed's (read when deepspeed is imported, which the server does not do) and HOME (``clean_env`` makes one per
-# process), pytest's PYTEST_CURRENT_TEST. Not the test fixtures' ``DSX_TEST_*``: their ``sitecustomize.py`` reads them
-# at start-up.
+# Variables read only after start-up and after a fork server's imports: ranks whose environments differ only in these
+# (and in those a caller of ``start_ranks`` names) fork from one ``tests/fork_server.py``. The launcher's, DeepSpeed's
+# (read when deepspeed is imported, which only the CPU accelerator's server does, with its DS_ACCELERATOR) and HOME
+# (``clean_env`` makes one per process), pytest's PYTEST_CURRENT_TEST. Not the test fixtures' ``DSX_TEST_*``: their
+# ``sitecustomize.py`` reads them at start-up.
 _AFTER_IMPORT = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "HOME", "DS_ACCELERATOR", "DS_XLA_COMM_TIMEOUT", "PYTEST_CURRENT_TEST"}
 FORK_SERVER = REPO / "tests" / "fork_server.py"
@@ -161,9 +161,12 @@ _SERVERS_LOCK = threading.Lock()
 def _fork_server(env: dict, after_import: Sequence[str]) -> _ForkServer:
     """The session's fork server for ranks with this environment (started on first use). DeepSpeed's CPU accelerator
     never imports torch_xla, whose import patches torch (``nn.GRU``, ``clip_grad_norm_``): its ranks get a server
-    that imported torch alone."""
-    base = {k: v for k, v in env.items() if k not in _AFTER_IMPORT and k not in after_import}
-    modules = ("torch", ) if env.get("DS_ACCELERATOR") == "cpu" else ("torch", "torch_xla")
+    that imported torch and DeepSpeed instead, with the Muon optimizer every engine imports (its torch.compile'd
+    kernels bring in dynamo and inductor)."""
+    cpu = env.get("DS_ACCELERATOR") == "cpu"
+    base = {k: v for k, v in env.items()
+            if (k not in _AFTER_IMPORT or cpu and k == "DS_ACCELERATOR") and k not in after_import}
+    modules = ("torch", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer") if cpu else ("torch", "torch_xla")
     key = json.dumps([base, modules], sort_keys=True)
     with _SERVERS_LOCK:
         if key not in _SERVERS:
@@ -181,7 +184,7 @@ def start_ranks(target: str, world_size: int, env: Optional[dict] = None,
                 after_import: Sequence[str] = (), args: Sequence[str] = ()) -> Tuple[list, list]:
     """Start ``target`` ("module:function", importable from the repo root) once per rank, env:// rendezvous; each
     rank as ``python -c`` would run it (``args`` in its ``sys.argv``), forked from a ``tests/fork_server.py`` that
-    has imported torch and torch_xla once for the session.
+    has imported torch and torch_xla (DeepSpeed, for its CPU accelerator) once for the session.
 
     Returns the processes (each in its own session: ``kill_group`` ends it) and their (stdout, stderr) files:
     files, not pipes, since a rank blocked on a full pipe would stall its peers. ``env`` may set ``MASTER_PORT``
@@ -189,7 +192,8 @@ def start_ranks(target: str, world_size: int, env: Optional[dict] = None,
     another run's ranks may set otherwise and still share their fork server.
     """
     module, function = target.split(":")
-    code = f"import importlib, sys; sys.argv[1:] = {list(map(str, args))!r}; importlib.import_module({module!r}).{function}()"
+    code = (f"import importlib, sys; sys.argv[1:] = {list(map(str, args))!r}; "
+            f"importlib.import_module({module!r}).{function}()")
     port = free_port()
     procs, logs = [], []
     for rank in range(world_size):
@@ -420,7 +424,7 @@ def training(accelerator: Optional[str], config: dict, num_procs: int = 1, steps
     scripts/train.py`` unless ``launcher`` asks for ``deepspeed``: the launcher is under test in the multi-process
     runs, and skipping its two interpreters halves a one-process run. DeepSpeed's CPU accelerator, the reference,
     tests no launcher: its ranks fork from a fork server (``"fork"``), which spares a job its runner, launcher and
-    the ranks' imports (~16 s of CPU for 2 ranks)."""
+    the ranks' imports (docs/performance.md)."""
     default = "fork" if accelerator == "cpu" else "python" if num_procs == 1 else "deepspeed"
     return {"accelerator": accelerator, "config": config, "num_procs": num_procs, "steps": steps,
             "train_args": list(train_args), "extra_env": {k: str(v) for k, v in (extra_env or {}).items()},

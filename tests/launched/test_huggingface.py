@@ -6,10 +6,10 @@ Every configuration (ZeRO 1, 2 and 3 in fp32, ZeRO 2 and 3 in bf16) trains throu
 ZeRO 2 and 3 through ``deepspeed``; each launcher's runs share one job (``tests/train_many.py``), and every
 configuration runs once on the CPU accelerator (one job for all, its ranks forked from a fork server: the launcher
 only decides the process environment, the training is the same). The ``deepspeed`` and ``accelerate`` jobs run with
-accelerate and transformers seeing a TPU (the branches every TPU VM takes; ``tests/fixtures/huggingface``). The ``torchrun`` job ends by resuming the
-ZeRO-2 and ZeRO-3 runs of the ``deepspeed`` job from the Trainer checkpoints they saved. Every run starts from one
-saved model (``from_pretrained``; under ZeRO-3 it is built inside ``deepspeed.zero.Init``, whose initialization
-would draw from each device's own RNG).
+accelerate and transformers seeing a TPU (the branches every TPU VM takes; ``tests/fixtures/huggingface``). The
+``torchrun`` job ends by resuming the ZeRO-2 and ZeRO-3 runs of the ``deepspeed`` job from the Trainer checkpoints
+they saved. Every run starts from one saved model (``from_pretrained``; under ZeRO-3 it is built inside
+``deepspeed.zero.Init``, whose initialization would draw from each device's own RNG).
 """
 import json
 import threading
