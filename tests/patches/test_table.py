@@ -1,10 +1,12 @@
 """Every run-time patch of DeepSpeed still matches the upstream code it was written for."""
 import importlib
+import inspect
 from importlib import metadata
 
 import pytest
 
 from deepspeed_xla import bootstrap, patches
+from deepspeed_xla.patches import registry
 
 
 def test_written_for_the_installed_deepspeed():
@@ -22,3 +24,11 @@ def test_patched_upstream_source_unchanged(patch):
 def test_startup_hook_covers_every_patched_module():
     hooked = {name for name, hook in bootstrap._AFTER_IMPORT.items() if hook == bootstrap._PATCHES_HOOK}
     assert hooked == set(patches.PATCHED_MODULES)
+
+
+def test_upstream_files_are_the_ones_recorded():
+    """``registry.UPSTREAM_FILES`` names every file holding code a patch reads, with the installed file's digest; a new
+    release fails here until the patches are re-checked and the table updated."""
+    installed = {code.__module__: registry.file_digest(inspect.getsourcefile(code))
+                 for patch in patches.PATCHES for code in registry.upstream_code(patch)}
+    assert installed == registry.UPSTREAM_FILES
