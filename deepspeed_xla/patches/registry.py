@@ -10,7 +10,7 @@ import hashlib
 import importlib
 import inspect
 import warnings
-from typing import Callable, List, NamedTuple, Tuple
+from typing import Callable, Dict, List, NamedTuple, Tuple
 
 WRITTEN_FOR = "0.19.8"
 #: The release of each patched distribution the wrappers were written for.
@@ -100,10 +100,14 @@ def file_digest(path: str) -> str:
         return hashlib.sha256(source.read()).hexdigest()[:16]
 
 
+def upstream_files(patch: Patch) -> Dict[str, str]:
+    """The installed digest of each file holding the patch's upstream code, by module (as ``UPSTREAM_FILES``)."""
+    return {code.__module__: file_digest(inspect.getsourcefile(code)) for code in upstream_code(patch)}
+
+
 def _files_unchanged(patch: Patch) -> bool:
     """Whether every file holding the patch's upstream code is the one ``UPSTREAM_FILES`` recorded."""
-    return all(UPSTREAM_FILES.get(code.__module__) == file_digest(inspect.getsourcefile(code))
-               for code in upstream_code(patch))
+    return all(UPSTREAM_FILES.get(module) == digest for module, digest in upstream_files(patch).items())
 
 
 def is_applied(patch: Patch) -> bool:
