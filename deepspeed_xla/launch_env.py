@@ -4,12 +4,13 @@ DeepSpeed's ``launch.py`` sets ``LOCAL_RANK``/``LOCAL_SIZE``/``CROSS_RANK``, tor
 launchers and Slurm run the script directly and only their own variables exist. Standard library only: the
 startup hook, the ``deepspeed`` runner and every worker read this before anything heavy is imported.
 """
+import itertools
 import os
 import re
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Mapping, MutableMapping, Optional, Sequence, Tuple
+from typing import Iterator, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
 # (local rank, local size, node rank) variables, in order of preference.
 _LAYOUT_SOURCES = (
@@ -125,20 +126,71 @@ def fill_scheduler_env(env: MutableMapping[str, str]) -> bool:
         if nodes and "MASTER_ADDR" not in env:
             env["MASTER_ADDR"] = first_slurm_host(nodes)
         if "SLURM_JOB_ID" in env and "MASTER_PORT" not in env:
-            env["MASTER_PORT"] = str(15000 + int(env["SLURM_JOB_ID"]) % 10000)
+            env["MASTER_PORT"] = str(slurm_master_port(env))
     if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
         return False
     env.update(RANK=str(position[0]), WORLD_SIZE=str(position[1]), LOCAL_RANK=str(process_layout(env).local_rank))
     return True
 
 
+def slurm_master_port(env: Mapping[str, str]) -> int:
+    """The rendezvous port of one srun step: ``15000 + (job id × 7919 + step id) mod 10000``. Every step of a job
+    (``srun ... &`` twice in one allocation) gets its own port, up to 10000 steps; 7919, a prime, keeps a job's
+    next steps off the ports of the jobs numbered next to it."""
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))
+    return 15000 + (int(env["SLURM_JOB_ID"]) * 7919 + int(step)) % 10000
+
+
+_HOSTLIST_PART = re.compile(r"\[([^\[\]]*)\]|([^\[\],]+)")
+
+
+def _bracket_items(ranges: str, nodelist: str) -> List[str]:
+    """``"01-03,7"`` -> ``["01", "02", "03", "7"]``: each range keeps its first number's zero padding."""
+    items = []
+    for item in ranges.split(","):
+        low, dash, high = item.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or (dash and int(high) < int(low)):
+            raise ValueError(f"Slurm host list {nodelist!r} has the range {item!r}, which is not N or N-M: set "
+                             "MASTER_ADDR to the first host's address.")
+        width = len(low) if low.startswith("0") else 0
+        items += [str(n).zfill(width) for n in range(int(low), int(high if dash else low) + 1)]
+    return items
+
+
+def _split_hostlist(nodelist: str) -> List[str]:
+    """The top-level comma-separated entries of a host list (commas inside brackets belong to their range)."""
+    entries, depth, start = [], 0, 0
+    for index, char in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth not in (0, 1):
+            raise ValueError(f"Slurm host list {nodelist!r} has unbalanced brackets: set MASTER_ADDR to the first "
+                             "host's address.")
+        if char == "," and depth == 0:
+            entries.append(nodelist[start:index])
+            start = index + 1
+    if depth:
+        raise ValueError(f"Slurm host list {nodelist!r} has an unclosed '[': set MASTER_ADDR to the first host's "
+                         "address.")
+    return [entry for entry in entries + [nodelist[start:]] if entry]
+
+
+def expand_slurm_hostlist(nodelist: str) -> Iterator[str]:
+    """Every host of a Slurm host list, in Slurm's order: ``"rack[1-2]-node[01-02],gpu1"`` -> ``rack1-node01``,
+    ``rack1-node02``, ``rack2-node01``, ``rack2-node02``, ``gpu1`` (several bracket groups multiply, the last
+    varying fastest, as ``scontrol show hostnames`` lists them)."""
+    for entry in _split_hostlist(nodelist):
+        parts = [[literal] if literal else _bracket_items(ranges, nodelist)
+                 for ranges, literal in _HOSTLIST_PART.findall(entry)]
+        for combination in itertools.product(*parts):
+            yield "".join(combination)
+
+
 def first_slurm_host(nodelist: str) -> str:
     """The first host of a Slurm host list: ``"tpu-[03-05,9],gpu1"`` -> ``"tpu-03"``."""
-    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\]([^,\[]*))?", nodelist)
-    prefix, ranges, suffix = match.groups()
-    if ranges is None:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+    first = next(expand_slurm_hostlist(nodelist), None)
+    if first is None:
+        raise ValueError(f"Slurm host list {nodelist!r} names no host: set MASTER_ADDR to the first host's address.")
+    return first
 
 
 def check_launch_env(env: Mapping[str, str] = os.environ) -> None:

@@ -1,8 +1,10 @@
 """Where a process sits, from whichever launcher started it; plain python as rank 0 of 1."""
+import subprocess
+
 import pytest
 
-from deepspeed_xla.launch_env import (ProcessLayout, fill_scheduler_env, fill_single_process_env, first_slurm_host,
-                                      process_layout)
+from deepspeed_xla.launch_env import (ProcessLayout, expand_slurm_hostlist, fill_scheduler_env, fill_single_process_env,
+                                      first_slurm_host, process_layout, slurm_master_port)
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -41,7 +43,7 @@ def test_launched_or_mpi_processes_are_left_alone(env):
      ("3", "4", "1", "10.0.0.1", "29500")),
     ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
       "SLURM_STEP_NODELIST": "tpu-[03-04]", "SLURM_JOB_NODELIST": "tpu-[01-04]", "SLURM_JOB_ID": "123456"},
-     ("5", "8", "1", "tpu-03", "18456")),
+     ("5", "8", "1", "tpu-03", str(15000 + 123456 * 7919 % 10000))),
     ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2",
       "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "7", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"},
      ("1", "2", "1", "127.0.0.1", "1234")),
@@ -64,6 +66,43 @@ def test_mpi_and_slurm_fill_leaves_the_rest_alone(env):
 
 
 @pytest.mark.parametrize("nodelist, first", [("localhost", "localhost"), ("tpu-[03-05,9],gpu1", "tpu-03"),
-                                             ("n[7]x,m1", "n7x"), ("a,b[1-2]", "a")])
+                                             ("n[7]x,m1", "n7x"), ("a,b[1-2]", "a"),
+                                             ("rack[1-2]-node[01-04]", "rack1-node01"), ("x[08-11],y", "x08")])
 def test_first_slurm_host(nodelist, first):
     assert first_slurm_host(nodelist) == first
+
+
+@pytest.fixture(scope="module")
+def scontrol(tmp_path_factory):
+    """Slurm's own expansion of a host list (``scontrol show hostnames``, which reads only a config file)."""
+    conf = tmp_path_factory.mktemp("slurm") / "slurm.conf"
+    conf.write_text("ClusterName=x\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\nPartitionName=p Nodes=ALL\n")
+
+    def hostnames(nodelist: str):
+        return subprocess.run(["scontrol", "show", "hostnames", nodelist], env={"SLURM_CONF": str(conf)},
+                              capture_output=True, text=True, check=True).stdout.split()
+
+    return hostnames
+
+
+@pytest.mark.parametrize("nodelist", ["rack[1-2]-node[01-04]", "tpu-[03-05,9],gpu1", "a,b[1-2]", "x[8-11]",
+                                      "r[1-2]n[1-2],s[09-10]", "x[1-3,5-6],y[098-101]"])
+def test_slurm_hostlists_expand_as_slurm_expands_them(nodelist, scontrol):
+    """Several bracket groups, commas inside and between them, ranges that keep their zero padding."""
+    assert list(expand_slurm_hostlist(nodelist)) == scontrol(nodelist)
+
+
+@pytest.mark.parametrize("nodelist, problem", [("x[1-", "has an unclosed '\\['"), ("x[3-1]", "the range '3-1'"),
+                                               ("x[a]", "the range 'a'"), ("x]1[", "unbalanced brackets"),
+                                               (",", "names no host")])
+def test_a_hostlist_that_cannot_be_read_names_the_fix(nodelist, problem):
+    with pytest.raises(ValueError, match=rf"{problem}.*set MASTER_ADDR"):
+        first_slurm_host(nodelist)
+
+
+def test_two_srun_steps_of_one_job_get_two_ports():
+    """``srun ... &`` twice in one allocation: both steps start on the job's first node."""
+    ports = {slurm_master_port({"SLURM_JOB_ID": "123456", "SLURM_STEP_ID": str(step)}) for step in range(64)}
+    assert len(ports) == 64 and all(15000 <= port < 25000 for port in ports)
+    neighbours = {slurm_master_port({"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0"}) for job in range(123450, 123460)}
+    assert not ports & (neighbours - {slurm_master_port({"SLURM_JOB_ID": "123456"})})
