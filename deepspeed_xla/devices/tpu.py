@@ -74,10 +74,8 @@ class TpuDevice(DeviceType):
         else:
             computed = tpu_process_env(local_rank, local_size, xla_runtime.tpu_env(), version, worker_ips, chip=chip)
         env[self.visible_devices_env] = computed.pop(self.visible_devices_env)
-        for key, value in computed.items():
-            env.setdefault(key, value)
-        env.setdefault("PJRT_LOCAL_PROCESS_RANK", str(local_rank))
-        env.setdefault("PJRT_LOCAL_PROCESS_COUNT", str(local_size))
+        computed.update(PJRT_LOCAL_PROCESS_RANK=str(local_rank), PJRT_LOCAL_PROCESS_COUNT=str(local_size))
+        _replace_stale_topology(env, computed)
 
     def peak_bf16_flops(self) -> Optional[float]:
         """The chip's peak over its devices (TPU7x: two per chip, one process each); None without tpu-info."""
@@ -162,6 +160,26 @@ def one_chip_env(chip: int, tpu_version: int, hosts: int) -> Dict[str, str]:
                            "runs one process per chip on every host: launch with deepspeed --num_gpus <chips per host> "
                            "(in the hostfile: slots=<chips per host> for every host).")
     return {"TPU_VISIBLE_CHIPS": str(chip), "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_BOUNDS": "1,1,1"}
+
+
+#: What only a process of several on a host has: a lone process on one chip must not inherit them.
+_MULTI_PROCESS_ONLY = ("CLOUD_TPU_TASK_ID", "TPU_PROCESS_ADDRESSES", "TPU_PROCESS_PORT")
+
+
+def _replace_stale_topology(env: MutableMapping[str, str], computed: Mapping[str, str]) -> None:
+    """Write this process's libtpu topology over whatever the environment held (torch_xla only sets defaults), naming
+    each value replaced: one left by a single-process recipe or a .deepspeed_env makes libtpu start a slice of another
+    shape, or wait for processes that never come."""
+    stale = {key: env[key] for key in _MULTI_PROCESS_ONLY if key in env and key not in computed}
+    stale.update({key: env[key] for key, value in computed.items() if env.get(key, value) != value})
+    if stale:
+        now = ", ".join(f"{key}={computed[key]!r}" if key in computed else f"{key} unset" for key in stale)
+        warnings.warn("deepspeed_xla: replacing " + ", ".join(f"{key}={value!r}" for key, value in stale.items()) +
+                      f" with this process's own topology ({now}): they were left in the environment by a "
+                      "single-process recipe or a .deepspeed_env. Remove them from the environment and .deepspeed_env.")
+    for key in stale:
+        env.pop(key)
+    env.update(computed)
 
 
 def _bounds(text: str) -> List[int]:

@@ -51,6 +51,33 @@ def test_process_env_equals_torch_xla(monkeypatch, host):
         assert ours["PJRT_LOCAL_PROCESS_COUNT"] == str(local_size)
 
 
+STALE = {"TPU_PROCESS_BOUNDS": "1,1,1", "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1", "CLOUD_TPU_TASK_ID": "0",
+         "TPU_PROCESS_ADDRESSES": "localhost:8476"}
+
+
+@pytest.mark.parametrize("local_size", [4, 1])
+def test_stale_topology_variables_are_replaced_naming_each(monkeypatch, local_size):
+    """A single-process recipe's values (or a .deepspeed_env's) left in the environment: each process gets what
+    torch_xla writes into a clean environment (``configure_topology``, or ``configure_one_chip_topology`` for a lone
+    process), and the warning names each value it replaced."""
+    from torch_xla._internal import tpu
+    _fake_metadata(monkeypatch, "v4-8")
+    if local_size == 1:
+        tpu.configure_one_chip_topology()
+    else:
+        tpu.configure_topology(1, local_size)
+    expected = {key: os.environ.get(key) for key in STALE}
+    _fake_metadata(monkeypatch, "v4-8")
+    env = dict(os.environ, **STALE)
+    with pytest.warns(UserWarning) as warned:
+        TpuDevice().configure_process(1 % local_size, local_size, 0, env)
+    assert {key: env.get(key) for key in STALE} == expected
+    message = str(warned[0].message)
+    replaced = [key for key in STALE if STALE[key] != expected[key]]
+    assert replaced and all(f"{key}={STALE[key]!r}" in message for key in replaced), message
+    assert "Remove them from the environment and .deepspeed_env" in message
+
+
 def test_each_rank_takes_its_chip_from_the_launchers_list(monkeypatch):
     _fake_metadata(monkeypatch, "v6e-8")
     env = dict(os.environ, TPU_VISIBLE_CHIPS="4,5,6,7")
