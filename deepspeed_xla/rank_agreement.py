@@ -1,4 +1,5 @@
-"""Every rank of a job must train with the same DeepSpeed config and the same package versions.
+"""Every rank of a job must train with the same DeepSpeed config, the same package versions and the same job-wide
+settings from the environment.
 
 A rank launched with another config file (a stale copy on one host) or from another environment (one host's venv
 upgraded) otherwise starts training: ZeRO partitions and buckets of other sizes, graphs that differ between ranks,
@@ -7,9 +8,12 @@ every rank (``patches/engine.py``, ``ranks_agree``): one object collective of a 
 """
 import hashlib
 import json
+import os
 import re
 from importlib import metadata
 from typing import Callable, Dict, List
+
+from deepspeed_xla.comm.preemption import SAVE_DIR_ENV
 
 DISTRIBUTIONS = ("torch", "torch_xla", "deepspeed", "deepspeed_xla")
 #: A config value under a key with one of these words (``output_path``, ``nvme_path``, ``output_file``) is where a
@@ -17,6 +21,10 @@ DISTRIBUTIONS = ("torch", "torch_xla", "deepspeed", "deepspeed_xla")
 #: ``flops_profiler``'s settings still count.
 PER_RANK_KEY_PARTS = ("path", "dir", "file", "folder", "filename", "dirname")
 _JSON_LEAVES = (str, int, float, bool, type(None))
+#: Environment variables that switch on a job-wide behaviour with collectives of its own: whether each is set must be
+#: the same on every rank (its value may be a per-host path). ``DS_XLA_CHECKPOINT_ON_SIGTERM`` on some hosts only
+#: would leave the ranks that save waiting for the others in the save's collectives.
+SWITCHES = (SAVE_DIR_ENV, )
 
 
 def versions() -> Dict[str, str]:
@@ -54,9 +62,14 @@ def config_values(config, prefix: str = "") -> Dict[str, object]:
     return {prefix: config} if isinstance(config, _JSON_LEAVES) else {}
 
 
+def switches(environ=os.environ) -> Dict[str, str]:
+    """Whether each of ``SWITCHES`` is set (to something other than blanks) in this rank's environment."""
+    return {name: "set" if environ.get(name, "").strip() else "not set" for name in SWITCHES}
+
+
 def rank_state(config: dict) -> dict:
-    """What this rank must share with every other: its config values and package versions."""
-    return {"config": config_values(config), "versions": versions()}
+    """What this rank must share with every other: its config values, package versions and switches."""
+    return {"config": config_values(config), "versions": versions(), "environment": switches()}
 
 
 def _digest(state: dict) -> str:
@@ -84,7 +97,7 @@ _MISSING = "<not set>"
 def disagreements(states: List[dict]) -> List[str]:
     """Each setting or version on which the ranks' ``rank_state`` differ, naming the odd ranks and every value."""
     found = []
-    for section, label in (("versions", "version of"), ("config", "config")):
+    for section, label in (("versions", "version of"), ("config", "config"), ("environment", "environment variable")):
         keys = sorted({key for state in states for key in state[section]})
         for key in keys:
             by_rank = [state[section].get(key, _MISSING) for state in states]
@@ -108,7 +121,10 @@ def check(config: dict, all_gather_object: Callable[[list, object], None], world
         return
     states: List[object] = [None] * world_size
     all_gather_object(states, state)
+    odd_switches = [name for name in SWITCHES if len({state["environment"][name] for state in states}) > 1]
     raise RuntimeError(
         "deepspeed_xla: the ranks of this job were launched differently: " + " | ".join(disagreements(states)) +
         ". Every rank must run the same DeepSpeed config and the same torch, torch_xla, deepspeed and deepspeed_xla: "
-        "give every host the same config file and environment (docs/bad_input.md).")
+        "give every host the same config file and environment (docs/bad_input.md)" +
+        "".join(f"; set {name} on every host (in .deepspeed_env, which the runner hands every host) or on none"
+                for name in odd_switches) + ".")

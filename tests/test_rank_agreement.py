@@ -19,9 +19,10 @@ def test_config_values_leave_out_per_rank_files_and_objects():
         "betas": [0.9, 0.95], "schedule[0].step": 1, "schedule[1].step": 2}
 
 
-def _state(config: dict, **versions) -> dict:
+def _state(config: dict, environ=None, **versions) -> dict:
     return {"config": rank_agreement.config_values(config),
-            "versions": {**dict.fromkeys(rank_agreement.DISTRIBUTIONS, "1.0"), **versions}}
+            "versions": {**dict.fromkeys(rank_agreement.DISTRIBUTIONS, "1.0"), **versions},
+            "environment": rank_agreement.switches(environ or {})}
 
 
 def test_disagreements_name_the_odd_ranks_and_every_value():
@@ -51,3 +52,27 @@ def test_check_gathers_digests_and_states_only_when_they_differ():
     with pytest.raises(RuntimeError, match=r"'train_micro_batch_size_per_gpu': 4 on rank 1 \(the others: 2 on rank 0"):
         rank_agreement.check(config, other, 2)
     assert len(calls) == 2
+
+
+def test_checkpoint_on_sigterm_set_on_some_hosts_only_is_named_on_every_rank(monkeypatch):
+    """Its path may differ per host (local disks); whether it is set may not: the ranks that save on SIGTERM would
+    wait in the save's collectives for the ranks that do not."""
+    def gather(theirs):
+        def all_gather_object(object_list, obj):
+            object_list[:] = [obj, theirs if isinstance(obj, dict) else rank_agreement._digest(theirs)]
+        return all_gather_object
+
+    config = {"train_micro_batch_size_per_gpu": 2}
+    monkeypatch.setenv("DS_XLA_CHECKPOINT_ON_SIGTERM", "/local/ckpt")
+    monkeypatch.delenv("DS_XLA_CHECKPOINT_ON_SIGTERM")
+    unset = rank_agreement.rank_state(config)
+    with monkeypatch.context() as patched:
+        patched.setenv("DS_XLA_CHECKPOINT_ON_SIGTERM", "/other/host/ckpt")
+        rank_agreement.check(config, gather(rank_agreement.rank_state(config)), 2)  # other paths: agreed
+        with pytest.raises(RuntimeError) as raised:
+            rank_agreement.check(config, gather(unset), 2)
+    assert str(raised.value).endswith(
+        "environment variable DS_XLA_CHECKPOINT_ON_SIGTERM: \"not set\" on rank 1 (the others: \"set\" on rank 0). "
+        "Every rank must run the same DeepSpeed config and the same torch, torch_xla, deepspeed and deepspeed_xla: "
+        "give every host the same config file and environment (docs/bad_input.md); set DS_XLA_CHECKPOINT_ON_SIGTERM "
+        "on every host (in .deepspeed_env, which the runner hands every host) or on none.")
