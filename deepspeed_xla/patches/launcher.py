@@ -1,39 +1,49 @@
 """Patches of DeepSpeed's multi-node runner (``deepspeed.launcher.runner`` and its ``multinode_runner`` backends).
 
 - The runner re-reads ``.deepspeed_env`` with a parser that fails on blank lines and comments, after
-  deepspeed_xla already parsed it; it is pointed at a normalized copy instead.
+  deepspeed_xla already parsed it; it is pointed at a normalized copy instead, holding the runner's own value of
+  each variable (the shell's where the shell set it, as on this host), removed when the runner exits.
+- Hostfile names reach ssh (DeepSpeed's checks, pdsh) as arguments: a name starting with ``-`` would be an option.
 - pdsh: every host is checked over ssh before the launch (DeepSpeed checks the first); a host that cannot be
   reached otherwise leaves the others waiting at the rendezvous until its timeout.
 - Exported values: DeepSpeed wraps one with spaces in double quotes for every backend, but only pdsh hands
-  them to a shell; mpirun and srun pass the quotes on (``XLA_FLAGS="--a --b"`` makes XLA abort).
+  them to a shell; mpirun and srun pass the quotes on (``XLA_FLAGS="--a --b"`` makes XLA abort). srun's
+  ``--export`` splits at commas: a value with one travels in srun's own environment instead.
 - OpenMPI, MVAPICH and Slurm start the script without DeepSpeed's launcher and never pass it the runner's
   ``--master_addr``/``--master_port``; they are exported, so ``launch_env.fill_scheduler_env`` can use them.
 """
 import functools
+import os
 import shlex
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Sequence
 
-#: How long one host's ssh check may take: a host that does not answer within it is reported unreachable.
-SSH_CHECK_TIMEOUT = 15
+from deepspeed_xla import env_vars
 
+#: How long one host's ssh check may take by default: a host that does not answer within it is reported unreachable.
+SSH_CHECK_TIMEOUT = 15
+#: The variable that sets another limit, in seconds, for hosts slower to answer ssh.
+SSH_CHECK_TIMEOUT_ENV = "DS_XLA_SSH_CHECK_TIMEOUT"
 
 _ENV_FILE_NAME = ".deepspeed_env"
 
 
 @functools.lru_cache(maxsize=None)
 def _normalized_env_dir() -> str:
-    """One clean ``.deepspeed_env`` holding what our parser read from the user's files, or "" if none."""
-    import os
+    """One clean ``.deepspeed_env`` holding what every host must get, or "" if the user has none. Its folder holds
+    the file's values (tokens included) and goes when the runner exits."""
+    import atexit
+    import shutil
     import tempfile
-    from deepspeed_xla.env_file import merged_env_values
-    merged = merged_env_values()
-    if not merged:
+    from deepspeed_xla.env_file import values_for_hosts
+    values = values_for_hosts()
+    if not values:
         return ""
     folder = tempfile.mkdtemp(prefix="deepspeed_xla_env_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     with open(os.path.join(folder, _ENV_FILE_NAME), "w") as handle:
-        handle.writelines(f"{key}={value}\n" for key, value in merged.items())
+        handle.writelines(f"{key}={value}\n" for key, value in values.items())
     return folder
 
 
@@ -48,15 +58,40 @@ def runner_env_name(original):
     return _ENV_FILE_NAME if _normalized_env_dir() else original
 
 
+def hostfile_without_options(original):
+    """``runner._parse_hostfile``: refuse a host name starting with ``-``, which DeepSpeed's ssh checks and pdsh would
+    hand ssh as an option (``-oProxyCommand=...`` runs a command), before anything runs ssh."""
+
+    @functools.wraps(original)
+    def parse_hostfile(hostfile_lines):
+        pool = original(hostfile_lines)
+        options = [host for host in pool if host.startswith("-")]
+        if options:
+            raise ValueError(f"the hostfile names {', '.join(map(repr, options))}: a host name cannot start with '-' "
+                             "(ssh would read it as an option). Write each host's name or address at the start of "
+                             "its line.")
+        return pool
+
+    return parse_hostfile
+
+
+def ssh_check_timeout() -> float:
+    return env_vars.positive_number(os.environ, SSH_CHECK_TIMEOUT_ENV, "a number of seconds such as 60") \
+        or SSH_CHECK_TIMEOUT
+
+
 def unreachable_hosts(hosts: Sequence[str], ssh_args: Sequence[str]) -> Dict[str, str]:
     """The hosts that ``ssh <ssh_args> <host> true`` cannot reach, all checked at once, with ssh's last words."""
+    timeout = ssh_check_timeout()
+
     def check(host: str) -> str:
-        cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CHECK_TIMEOUT}", *ssh_args, host, "true"]
+        cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, round(timeout))}", *ssh_args, "--", host,
+               "true"]
         try:
-            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                  timeout=SSH_CHECK_TIMEOUT + 5)
+            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return f"no answer within {SSH_CHECK_TIMEOUT} s"
+            return (f"no answer within {timeout:g} s (a host that is slow to answer: raise the limit with "
+                    f"{SSH_CHECK_TIMEOUT_ENV}=<seconds>)")
         return "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
 
     with ThreadPoolExecutor(max_workers=min(len(hosts), 32) or 1) as pool:
@@ -87,13 +122,17 @@ def pdsh_checks_every_host(original):
 
 def exports_rendezvous(original):
     """``get_cmd`` of the runners that start the script directly: export the runner's master address and port
-    (unless ``.deepspeed_env`` or the environment already did)."""
+    (unless ``.deepspeed_env`` or the environment already did). srun: a value with a comma, which ``--export=ALL,...``
+    would cut at the comma, goes in srun's own environment instead, which ``ALL`` hands every task."""
 
     @functools.wraps(original)
     def get_cmd(self, environment, active_resources):
         for key, value in (("MASTER_ADDR", self.args.master_addr), ("MASTER_PORT", self.args.master_port)):
             if key not in self.exports:
                 self.add_export(key, str(value))
+        if self.name == "slurm":
+            for key in [key for key, value in self.exports.items() if "," in value]:
+                environment[key] = self.exports.pop(key)
         return original(self, environment, active_resources)
 
     return get_cmd

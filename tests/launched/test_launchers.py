@@ -31,6 +31,8 @@ OPENMPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 MPICH_ARGS = "-iface lo"  # passed as --launcher_args=...: argparse reads "-iface" as -i (--include) "face"
 # What .deepspeed_env hands every host in the pdsh run, values with spaces and '=' among them.
 ENV_FILE_VALUES = {"DSX_TEST_SPACES": "two  words and more", "DSX_TEST_EQUALS": "a=b=c"}
+# Set in .deepspeed_env and in the runner's shell: the runner says the shell's value wins, and every host gets it.
+SHELL_WINS = {"DSX_TEST_SHELL_WINS": "shell"}
 
 
 def _mpirun(folder: Path, implementation: str) -> Dict[str, str]:
@@ -96,14 +98,17 @@ def pdsh_run(tmp_path_factory, sshd) -> dict:
     and the rest only in the runner's ``.deepspeed_env``; every process records its environment at exit."""
     workdir = tmp_path_factory.mktemp("pdsh")
     log = workdir / "runtime.jsonl"
-    recorded = [*ENV_FILE_VALUES, "HOME", "RANK", "CROSS_RANK", "PJRT_DEVICE", "XLA_FLAGS"]
-    lines = {"PYTHONPATH": str(PROBE_DIR), "DSX_TEST_RUNTIME_LOG": str(log), "DSX_TEST_RECORD_ENV": ",".join(recorded),
-             **ENV_FILE_VALUES}
+    recorded = [*ENV_FILE_VALUES, *SHELL_WINS, "HOME", "RANK", "CROSS_RANK", "PJRT_DEVICE", "XLA_FLAGS"]
+    lines = {"PYTHONPATH": os.pathsep.join([str(PROBE_DIR), str(FIXTURES / "cpuinfo_cache")]),
+             "DSX_TEST_RUNTIME_LOG": str(log), "DSX_TEST_RECORD_ENV": ",".join(recorded), **ENV_FILE_VALUES,
+             **dict.fromkeys(SHELL_WINS, "file")}
     # Blank and comment lines and ``export``, which DeepSpeed's own parser of the file would fail on.
     (workdir / ".deepspeed_env").write_text("\n# cluster settings\nexport DS_ACCELERATOR=xla\n" + "".join(
         f"{key}={value}\n" for key, value in lines.items()))
+    # PYTHONPATH only in .deepspeed_env (the shell's would win), which the shell must allow.
+    env = _pdsh_env(sshd, DS_ACCELERATOR=None, PYTHONPATH=None, DS_XLA_ENV_FILE_ALLOW="PYTHONPATH", **SHELL_WINS)
     result = trained(workdir, deepspeed("--ssh_port", sshd["port"], "--no_ssh_check"),
-                     hosts="localhost slots=1\n127.0.0.1 slots=1\n", env=_pdsh_env(sshd, DS_ACCELERATOR=None))
+                     hosts="localhost slots=1\n127.0.0.1 slots=1\n", env=env)
     return {**result, "runtime": [json.loads(line) for line in log.read_text().splitlines()]}
 
 
@@ -119,6 +124,7 @@ def test_pdsh_hosts_get_the_runners_deepspeed_env(pdsh_run, sshd):
     for record in workers + launchers:
         assert record["env"]["HOME"] == sshd["home"], "not started through the test's sshd"
         assert {key: record["env"][key] for key in ENV_FILE_VALUES} == ENV_FILE_VALUES
+        assert {key: record["env"][key] for key in SHELL_WINS} == SHELL_WINS, "not the value the runner says wins"
         # The runner's XLA variables, spaces and all; a worker's device set-up appends its own XLA flags.
         assert record["env"]["PJRT_DEVICE"] == "CPU"
         assert record["env"]["XLA_FLAGS"].startswith(FAST_COMPILE["XLA_FLAGS"]), record["env"]["XLA_FLAGS"]
@@ -208,9 +214,23 @@ def slurm(tmp_path_factory):
         yield cluster
 
 
+# A .deepspeed_env value with commas, which srun's --export would cut at the first one.
+COMMAS = {"DSX_TEST_COMMAS": "a,b,c"}
+
+
 def test_deepspeed_slurm_launcher_matches_cpu_accelerator(tmp_path, slurm, cpu_run):
-    xla = trained(tmp_path, deepspeed("--force_multi", "--no_ssh_check", "--launcher", "slurm"), env=slurm)
+    """Every task gets the .deepspeed_env's values whole (commas included) and the shell's where the runner says the
+    shell's wins; DS_ACCELERATOR only in the file."""
+    log = tmp_path / "runtime.jsonl"
+    (tmp_path / ".deepspeed_env").write_text("DS_ACCELERATOR=xla\n" + "".join(
+        f"{key}={value}\n" for key, value in {**COMMAS, **dict.fromkeys(SHELL_WINS, "file")}.items()))
+    env = {**slurm, "PYTHONPATH": str(PROBE_DIR), "DSX_TEST_RUNTIME_LOG": str(log), "DS_ACCELERATOR": None,
+           "DSX_TEST_RECORD_ENV": ",".join([*COMMAS, *SHELL_WINS]), **SHELL_WINS}
+    xla = trained(tmp_path, deepspeed("--force_multi", "--no_ssh_check", "--launcher", "slurm"), env=env)
     assert_trains_like(xla, cpu_run, "float32")
+    workers = [record for record in map(json.loads, log.read_text().splitlines())
+               if record["argv"][0].endswith("train.py")]
+    assert [record["env"] for record in workers] == [{**COMMAS, **SHELL_WINS}] * 2
 
 
 def test_srun_without_ntasks_per_node_matches_cpu_accelerator(tmp_path, slurm, cpu_run):

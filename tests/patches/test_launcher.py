@@ -1,12 +1,15 @@
 """``patches/launcher.py``: what DeepSpeed's multi-node runners export arrives as written, the runners that start
 the script directly pass on the rendezvous address, and pdsh refuses hosts ssh cannot reach."""
+import os
 import subprocess
+import sys
 
 import pytest
 from deepspeed.launcher import multinode_runner
 from deepspeed.launcher.runner import parse_args
 
 from deepspeed_xla.patches import launcher
+from tests.conftest import clean_env
 
 TRICKY = {"SPACES": "two  words", "EQUALS": "a=b=c", "FLAGS": "--xla_a=1 --xla_b=2", "SHELL": "it's \"$HOME\" `x`"}
 
@@ -56,3 +59,65 @@ def test_unreachable_hosts_are_named_with_sshs_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{fake_bin}:/usr/bin:/bin")
     assert launcher.unreachable_hosts(["up", "down", "also-up"], ["-p", "22"]) == {
         "down": "ssh: connect to host down: refused"}
+
+
+def test_a_host_slower_than_the_limit_is_named_with_the_variable_that_raises_it(tmp_path, monkeypatch):
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "ssh").write_text("#!/bin/sh\nexec sleep 2\n")
+    (fake_bin / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}:/usr/bin:/bin")
+    monkeypatch.setenv(launcher.SSH_CHECK_TIMEOUT_ENV, "0.5")
+    assert launcher.unreachable_hosts(["slow"], []) == {
+        "slow": f"no answer within 0.5 s (a host that is slow to answer: raise the limit with "
+                f"{launcher.SSH_CHECK_TIMEOUT_ENV}=<seconds>)"}
+    monkeypatch.setenv(launcher.SSH_CHECK_TIMEOUT_ENV, "10")
+    assert launcher.unreachable_hosts(["slow"], []) == {}
+    monkeypatch.setenv(launcher.SSH_CHECK_TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match=rf"{launcher.SSH_CHECK_TIMEOUT_ENV}='soon' is not a number"):
+        launcher.unreachable_hosts(["slow"], [])
+
+
+@pytest.mark.parametrize("name", ["-oProxyCommand=touch /tmp/x", "-p"])
+def test_a_hostfile_host_that_ssh_would_read_as_an_option_is_refused(tmp_path, name):
+    from deepspeed.launcher import runner
+    (tmp_path / "hostfile").write_text(f"worker-0 slots=4\n{name.split()[0]} slots=4\n")
+    with pytest.raises(ValueError, match=r"the hostfile names '-\S*': a host name cannot start with '-'"):
+        runner.fetch_hostfile(str(tmp_path / "hostfile"))
+
+
+def test_srun_gets_a_value_with_a_comma_whole_through_its_environment():
+    """``--export=ALL,A=1,2`` would give the tasks A=1 (and look up a variable named 2): srun's own environment,
+    which ``ALL`` hands every task, carries it instead."""
+    runner = _runner(multinode_runner.SlurmRunner, "slurm")
+    runner.add_export("XLA_FLAGS", "--xla_dump_hlo_pass_re=a,b --x=1")
+    environment = {}
+    cmd = runner.get_cmd(environment, {"localhost": [0, 1]})
+    export = next(arg for arg in cmd if arg.startswith("--export=ALL"))
+    assert "XLA_FLAGS" not in export and environment["XLA_FLAGS"] == "--xla_dump_hlo_pass_re=a,b --x=1"
+    assert "EQUALS=a=b=c" in export.split(",")
+
+
+def _deepspeed_env_folder(tmp_path, home_text: str, shell: dict) -> subprocess.CompletedProcess:
+    """A process that builds the runner's normalized ``.deepspeed_env`` from ``home_text`` and prints its folder and
+    the file's text, then exits."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".deepspeed_env").write_text(home_text)
+    code = ("import os; from deepspeed_xla.patches import launcher; folder = launcher._normalized_env_dir(); "
+            "print(folder); print(open(os.path.join(folder, '.deepspeed_env')).read(), end='')")
+    env = clean_env(HOME=str(home), TMPDIR=str(tmp_path), **shell)
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          check=True, timeout=120)
+
+
+def test_the_runners_deepspeed_env_holds_the_value_its_message_says_wins(tmp_path):
+    """Every host gets the value the runner says wins (the shell's, test_env_file.py), as the runner's own host."""
+    proc = _deepspeed_env_folder(tmp_path, "TOKEN=secret\nBOTH=file\n", {"BOTH": "shell"})
+    assert proc.stdout.splitlines()[1:] == ["TOKEN=secret", "BOTH=shell"]
+
+
+def test_the_runners_copy_of_the_deepspeed_env_goes_when_it_exits(tmp_path):
+    """The copy holds the file's values, tokens included: nothing of it stays in the temporary folder."""
+    folder = _deepspeed_env_folder(tmp_path, "TOKEN=secret\n", {}).stdout.splitlines()[0]
+    assert os.path.dirname(folder) == str(tmp_path) and not os.path.exists(folder)
