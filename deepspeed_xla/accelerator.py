@@ -9,14 +9,16 @@ and handed down from here: to the process setup, the comm backend and the memory
 """
 import functools
 import os
+import sys
 
 import torch
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 
-from deepspeed_xla import comm, env_vars, xla_runtime
+from deepspeed_xla import env_vars, xla_runtime
+from deepspeed_xla.comm import backends
 from deepspeed_xla.devices import DeviceType, current_device_type
 from deepspeed_xla.launch_env import check_launch_env, fill_single_process_env, is_deepspeed_runner, is_launcher_process
-from deepspeed_xla.process_setup import check_host_launch, process_count_problem, setup_process
+from deepspeed_xla.process_setup import check_host_launch, prepare_process, process_count_problem, setup_process
 
 _DEVICE_INDEX = 0
 
@@ -56,6 +58,7 @@ class XLA_Accelerator(DeepSpeedAccelerator):
         self._compile_backend = "openxla"
         self._generator = _XlaGenerator()
         self._peak_host_bytes = 0
+        self._device_known = False
 
     @property
     def device_type(self) -> DeviceType:
@@ -77,7 +80,16 @@ class XLA_Accelerator(DeepSpeedAccelerator):
 
     # Device
     def device_name(self, device_index=None):
-        """Bare ``'xla'`` names the device type (autocast, support checks); an index names our device."""
+        """Bare ``'xla'`` names the device type (autocast, support checks); an index names our device.
+
+        ``'xla'`` is a device torch accepts only once torch_xla is imported, and users and DeepSpeed's tests write
+        ``.to(get_accelerator().device_name())`` as their first device use: the first call prepares this process
+        (imports torch_xla with its topology set; the runtime starts at the first tensor). Not in the launchers,
+        which must never import torch_xla, nor while ``import deepspeed`` runs (it asks three times for
+        defaults): a process that only imports deepspeed, such as ``ds_xla_report``, stays free of torch_xla."""
+        if not self._device_known and not is_launcher_process() and not _deepspeed_importing():
+            prepare_process(self.device_type)
+            self._device_known = True
         if device_index is None:
             return "xla"
         return self.current_device_name()
@@ -110,7 +122,7 @@ class XLA_Accelerator(DeepSpeedAccelerator):
 
     def synchronize(self, device_index=None):
         """Every collective issued and all device work done: queued collectives run, then the pending graph."""
-        comm.run_issued()
+        backends.run_issued()
         if xla_runtime.is_runtime_initialized():
             xla_runtime.sync(wait=True)
 
@@ -260,8 +272,8 @@ class XLA_Accelerator(DeepSpeedAccelerator):
             fill_single_process_env(os.environ)
             check_launch_env()
             device_type = self.device_type
-            self._communication_backend_name = comm.register_backend(device_type.comm_backend,
-                                                                     device_type.host_addressable)
+            self._communication_backend_name = backends.register_backend(device_type.comm_backend,
+                                                                         device_type.host_addressable)
         return self._communication_backend_name
 
     def is_triton_supported(self):
@@ -372,6 +384,13 @@ class XLA_Accelerator(DeepSpeedAccelerator):
             raise ValueError(f"{backend} is not a torch.compile backend; on XLA use 'openxla' "
                              f"(available: {supported}).")
         self._compile_backend = backend
+
+
+def _deepspeed_importing() -> bool:
+    """Whether ``import deepspeed`` is still running in this process (importlib's flag for a partially initialized
+    module, the one behind its "partially initialized module" error)."""
+    module = sys.modules.get("deepspeed")
+    return module is not None and bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 def _tensor_on_device(data, dtype):

@@ -1,6 +1,7 @@
 """XLA_Accelerator against DeepSpeed's accelerator interface, on a real PJRT CPU device."""
 import importlib
 import inspect
+import json
 import os
 
 import pytest
@@ -11,6 +12,7 @@ from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 from deepspeed_xla import xla_runtime
 from deepspeed_xla.accelerator import XLA_Accelerator, _seed_to_state
 from deepspeed_xla.op_builder import FusedAdamBuilder
+from tests.multiproc import run_python
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +247,60 @@ def test_importing_deepspeed_leaves_the_launcher_variables_to_the_process_that_j
     assert isinstance(module.ds_accelerator, XLA_Accelerator) and "RANK" not in os.environ
     module.ds_accelerator.communication_backend_name()
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("0", "1", "0")
+
+
+# The first line of a fresh process that is no DeepSpeed rank (plain python, as a pytest process is): the answer of a
+# device-naming member goes straight to torch, as users write it and as DeepSpeed's own tests do (``param.to(
+# get_accelerator().device_name(), dtype=torch.half)``). ``import deepspeed`` alone must not import torch_xla.
+FIRST_DEVICE_USE = """
+import json, sys, torch, deepspeed
+from deepspeed.accelerator import get_accelerator
+imported_with_deepspeed = "torch_xla" in sys.modules
+device = get_accelerator().{call}
+moved = torch.arange(3.0).to(device)
+half = torch.nn.Parameter(torch.ones(2)).to(device, dtype=torch.half)
+print(json.dumps({{"imported_with_deepspeed": imported_with_deepspeed, "device": str(moved.device),
+                  "values": moved.cpu().tolist(), "half": [str(half.device), str(half.dtype)]}}))
+"""
+
+
+@pytest.mark.parametrize("call", ["device_name()", "device_name(0)", "current_device_name()", "device()",
+                                  "current_device()"])
+def test_device_members_work_as_the_first_device_use(call):
+    proc = run_python(FIRST_DEVICE_USE.format(call=call), DS_ACCELERATOR="xla")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"imported_with_deepspeed": False, "device": "xla:0",
+                                                        "values": [0.0, 1.0, 2.0], "half": ["xla:0", "torch.float16"]}
+
+
+DATA_WORKER = """
+import sys, torch, deepspeed
+from deepspeed.accelerator import get_accelerator
+
+class OnDevice(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return torch.full((2, ), float(index)).to(get_accelerator().device_name()).sum().cpu()
+
+loader = torch.utils.data.DataLoader(OnDevice(), num_workers=1, multiprocessing_context="fork")
+print([float(item) for item in loader], "torch_xla" in sys.modules)
+"""
+
+
+def test_a_data_worker_uses_the_device_name_first():
+    """A DataLoader worker forked from a process that never used the device names it and moves a tensor there."""
+    proc = run_python(DATA_WORKER, DS_ACCELERATOR="xla")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "[0.0, 2.0] False"
+
+
+@pytest.mark.parametrize("program", ["deepspeed", os.path.join("deepspeed", "launcher", "launch.py")])
+def test_launchers_name_the_device_without_importing_torch_xla(tmp_path, program):
+    """The runner (whose MVAPICH launch asks ``device_name()``) and ``launch.py`` must leave the TPU chips alone."""
+    code = ("import sys\nsys.argv[0] = sys.argv[1]\nimport deepspeed\nfrom deepspeed.accelerator import get_accelerator\n"
+            "print(get_accelerator().device_name(), 'torch_xla' in sys.modules)\n")
+    proc = run_python(code, program, cwd=tmp_path, DS_ACCELERATOR="xla")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "xla False"

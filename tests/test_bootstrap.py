@@ -22,10 +22,11 @@ from deepspeed.accelerator.real_accelerator import is_current_accelerator_suppor
 from deepspeed.ops.op_builder import FusedAdamBuilder
 from deepspeed.ops.adam import fused_adam
 from deepspeed_xla.xla_runtime import is_runtime_initialized
-print(json.dumps({"name": get_accelerator().device_name(), "cls": type(get_accelerator()).__module__,
+# device_count() first: the host's devices, before device_name() prepares this process to drive one of them
+print(json.dumps({"device_count": get_accelerator().device_count(), "name": get_accelerator().device_name(),
+                  "cls": type(get_accelerator()).__module__,
                   "supported": is_current_accelerator_supported(), "builder": FusedAdamBuilder.__module__,
                   "fused_adam_builder": fused_adam.FusedAdamBuilder.__module__,
-                  "device_count": get_accelerator().device_count(),
                   "runtime_initialized": is_runtime_initialized()}))
 """
 
