@@ -1,4 +1,4 @@
-"""Checkpoints written from XLA: CPU tensors only, and ``latest`` names only complete checkpoints.
+"""Checkpoint files written from XLA: CPU tensors only, every byte written, flushed to disk.
 
 DeepSpeed hands its checkpoint engine state dicts that hold XLA tensors. ``torch.save`` pickles those
 as "CPU data, rebuild on xla:0", so the files need torch_xla to load (and fail with DeepSpeed's own
@@ -7,31 +7,24 @@ the archive is written: the whole file in host memory. ``save`` writes the same 
 the tensors' CPU copies, but fetches them from the device in batches of at most ``DS_XLA_SAVE_BATCH_MB``
 while their records are written, so one batch of host copies is alive at a time.
 
-DeepSpeed's rank 0 writes ``latest`` right after its own files, while other ranks may still be writing
-theirs, and rewrites it in place: a rank killed during a save can leave ``latest`` naming an
-incomplete checkpoint, or empty. Here ``latest`` is replaced atomically once every rank's files are
-written and flushed. A tag is written aside (``<tag>.saving``) and takes the tag's name only when it is
-complete, so saving a tag again (a "last" or "best" checkpoint) never leaves it half old, half new.
+torch's writers (the zip writer, the pickler) call ``write`` once per record and ignore the count it returns, and
+Linux writes at most 0x7ffff000 bytes per ``write``: every file here goes through ``_Complete``, which writes all.
+Tags and ``latest``: ``checkpoint_tags``.
 """
 import collections
 import contextlib
 import copy
-import ctypes
 import errno
 import io
 import os
 import pickle
-import shutil
 import types
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from deepspeed_xla import env_vars, xla_runtime
+from deepspeed_xla import checkpoint_tags, env_vars, xla_runtime
 
-LATEST = "latest"
-SAVING_SUFFIX = ".saving"
-REPLACED_SUFFIX = ".replaced"  # an old tag moved aside where folders cannot be swapped
 BATCH_ENV = "DS_XLA_SAVE_BATCH_MB"
 DEFAULT_BATCH_MB = 256
 
@@ -165,9 +158,13 @@ class _BatchedRecords:
 
 
 class _File(io.FileIO):
-    """The checkpoint file: keeps the OS error of a failed write, which torch's writer reports only as
-    "unexpected pos"."""
+    """The checkpoint file, opened without following a symbolic link (an existing file is truncated); keeps the OS
+    error of a failed write, which torch's writer reports only as "unexpected pos". One ``write`` is one system call,
+    which may write less than it was given."""
     error: Optional[OSError] = None
+
+    def __init__(self, path: str):
+        super().__init__(path, "w", opener=lambda name, flags: os.open(name, flags | os.O_NOFOLLOW, 0o644))
 
     def write(self, data) -> int:
         try:
@@ -177,24 +174,52 @@ class _File(io.FileIO):
             raise
 
 
+class _Complete:
+    """What torch's writers are handed: each ``write`` writes every byte, calling the file's until it has. torch's zip
+    writer and the pickler ignore the count ``write`` returns, and Linux writes at most 0x7ffff000 bytes in one call:
+    a tensor of 2 GiB or more would leave a hole in the file, and no error. No ``fileno``: torch writes through here
+    rather than to the descriptor."""
+
+    def __init__(self, file: _File):
+        self._file = file
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            written = self._file.write(view[done:])
+            if not written:
+                self._file.error = OSError(errno.EIO, "the system wrote nothing")
+                raise self._file.error
+            done += written
+        return done
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
 def _rank() -> str:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return f"rank {torch.distributed.get_rank()}"
     return "this process"
 
 
-def save(state: Any, path: str) -> None:
-    """``torch.save(state, path)`` with XLA tensors written as CPU tensors, at most ``batch_bytes()`` of them in
-    host memory at once; the file is flushed to disk. A failed write removes the file and names it."""
+def save(state: Any, path: str, zipfile: bool = True) -> None:
+    """``torch.save(state, path)`` with XLA tensors written as CPU tensors; the file is flushed to disk. A failed write
+    removes the file and names it. ``zipfile``: torch's default format, written with at most ``batch_bytes()`` of host
+    copies at once; else torch's legacy format (``_use_new_zipfile_serialization=False``), copied to the host at once."""
     placeholders: List[_OnDevice] = []
     try:
-        handle = _File(path, "w")
+        handle = _File(path)
     except OSError as error:
         raise _write_error(path, error.errno) from error
     try:
-        with torch.serialization._open_zipfile_writer(handle) as writer:
-            torch.serialization._save(state, _BatchedRecords(writer, placeholders, batch_bytes()),
-                                      _pickle_module(placeholders), torch.serialization.DEFAULT_PROTOCOL, False)
+        if zipfile:
+            with torch.serialization._open_zipfile_writer(_Complete(handle)) as writer:
+                torch.serialization._save(state, _BatchedRecords(writer, placeholders, batch_bytes()),
+                                          _pickle_module(placeholders), torch.serialization.DEFAULT_PROTOCOL, False)
+        else:
+            torch.save(to_cpu(state), _Complete(handle), _use_new_zipfile_serialization=False)
         os.fsync(handle.fileno())
     except BaseException as error:
         handle.close()
@@ -207,32 +232,29 @@ def save(state: Any, path: str) -> None:
 
 
 def _write_error(path: str, code: int) -> OSError:
+    if code == errno.ELOOP:
+        return OSError(code, f"deepspeed_xla: {_rank()} did not write the checkpoint file {path}: it is a symbolic "
+                             "link, and checkpoint files are never written through one (left there by someone else, "
+                             "it could point anywhere). Remove it; if other users can write to that folder, save to "
+                             "one only you can write.")
     return OSError(code, f"deepspeed_xla: {_rank()} could not write the checkpoint file {path}: "
                          f"{os.strerror(code).lower()}. The file is removed and this save is abandoned: `latest` "
                          "keeps naming the last complete checkpoint. Free space there, or save to another save_dir.")
 
 
-def _fsync(path: str) -> None:
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else os.O_RDONLY
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _writes_with_torch_save(engine) -> bool:
+def _torch_save_format(engine) -> Optional[bool]:
+    """Whether DeepSpeed's default engine (a ``torch.save``) writes torch's zip format; None for any other engine."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-    return type(engine).save is TorchCheckpointEngine.save and engine.zipfile_serialization
+    return bool(engine.zipfile_serialization) if type(engine).save is TorchCheckpointEngine.save else None
 
 
 class CpuCheckpointEngine:
     """DeepSpeed's checkpoint engine, handed CPU state dicts; written files are flushed to disk.
 
     Everything but ``save`` goes to the wrapped engine. DeepSpeed's default engine (a ``torch.save``) is
-    replaced by ``save``, which bounds the host copies; other engines take the whole state dict, copied
-    to the host at once. Storage sharing is not preserved (each tensor's copy is separate), so DeepSpeed
-    skips its own per-tensor clone before saving.
+    replaced by ``save``, which bounds the host copies in torch's default format; other engines take the whole
+    state dict, copied to the host at once. Storage sharing is not preserved (each tensor's copy is separate),
+    so DeepSpeed skips its own per-tensor clone before saving.
     """
 
     def __init__(self, engine):
@@ -253,18 +275,22 @@ class CpuCheckpointEngine:
         finally:
             self._deferred = None
 
+    def hold(self, error: OSError) -> None:
+        """Record ``error`` for every rank to raise after the save (``deferring_write_errors``); outside one, raise."""
+        if self._deferred is None:
+            raise error
+        self._deferred.append((error.errno, error.strerror))
+
     def save(self, state_dict, path: str):
-        if _writes_with_torch_save(self._engine):
+        zipfile = _torch_save_format(self._engine)
+        if zipfile is not None:
             try:
-                return save(state_dict, path)
+                return save(state_dict, path, zipfile)
             except OSError as error:
-                if self._deferred is None:
-                    raise
-                self._deferred.append((error.errno, error.strerror))
-                return None
+                return self.hold(error)
         result = self._engine.save(to_cpu(state_dict), path)
         if not self._engine.is_decoupled() and os.path.isfile(path):
-            _fsync(path)
+            checkpoint_tags.fsync(path)
         return result
 
     def load(self, path: str, map_location=None):
@@ -277,94 +303,13 @@ class CpuCheckpointEngine:
             tag_dir = os.path.dirname(path)
             raise RuntimeError(f"deepspeed_xla: cannot load the checkpoint file {path} ({type(error).__name__}: "
                                f"{error}): it is missing or cut short (a save that did not finish, an incomplete "
-                               f"copy). {_other_checkpoints(tag_dir)}") from error
+                               f"copy). {checkpoint_tags.other_checkpoints(tag_dir)}") from error
 
     def preserves_storage_sharing(self) -> bool:
         return False
 
 
 def first_failure(failures_per_rank: Sequence[Sequence[Tuple[int, str]]]) -> Optional[OSError]:
-    """The error of the lowest rank whose file was not written (``deferring_write_errors``), if any."""
+    """The error of the lowest rank that recorded one (``deferring_write_errors``, ``hold``), if any."""
     first = next((failure for failures in failures_per_rank for failure in failures), None)
     return None if first is None else OSError(*first)
-
-
-def _other_checkpoints(tag_dir: str) -> str:
-    """The other complete-looking tags beside ``tag_dir``, newest first, as advice."""
-    save_dir, tag = os.path.split(os.path.normpath(tag_dir))
-    try:
-        others = [entry for entry in os.scandir(save_dir) if entry.is_dir() and entry.name != tag
-                  and not entry.name.endswith((SAVING_SUFFIX, REPLACED_SUFFIX))]
-    except OSError:
-        return ""
-    if not others:
-        return f"{save_dir} holds no other checkpoint."
-    names = [entry.name for entry in sorted(others, key=lambda entry: entry.stat().st_mtime, reverse=True)]
-    return (f"Other checkpoints in {save_dir}, newest first: {', '.join(names)}; load one with "
-            f"load_checkpoint({save_dir!r}, tag={names[0]!r}).")
-
-
-def write_latest(save_dir: str, tag: str) -> None:
-    """Point ``save_dir/latest`` at ``tag`` atomically: readers see the old tag or the new one, never a part.
-    The tag's folder entries reach the disk first; a failed write leaves the old ``latest`` and no temporary file."""
-    tag_dir = os.path.join(save_dir, str(tag))
-    if os.path.isdir(tag_dir):
-        _fsync(tag_dir)
-    path = os.path.join(save_dir, LATEST)
-    staging = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(staging, "w") as handle:
-            handle.write(tag)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(staging, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(staging)
-        raise
-    _fsync(save_dir)
-
-
-def saving_tag(tag: str) -> str:
-    """The folder a checkpoint under ``tag`` is written into until every rank's files are complete."""
-    return f"{tag}{SAVING_SUFFIX}"
-
-
-def discard_unfinished(save_dir: str, tag: str) -> None:
-    """Remove what an interrupted save under ``tag`` left, before the tag is written again."""
-    shutil.rmtree(os.path.join(save_dir, saving_tag(tag)), ignore_errors=True)
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap two folders in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the system cannot."""
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is None:
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, os.strerror(code), a, None, b)
-
-
-def promote(save_dir: str, tag: str) -> None:
-    """Give the complete checkpoint in ``saving_tag(tag)`` the name ``tag``.
-
-    A tag saved before is swapped with it in one step: a reader, or a crash, finds the old contents or
-    the new ones. Where folders cannot be swapped (not Linux, some network filesystems) the old one
-    is moved aside first, and for that moment the tag is missing (docs/checkpoints.md).
-    """
-    final, incoming = os.path.join(save_dir, tag), os.path.join(save_dir, saving_tag(tag))
-    _fsync(incoming)
-    if not os.path.exists(final):
-        os.rename(incoming, final)
-    elif not _exchange(incoming, final):
-        aside = f"{final}{REPLACED_SUFFIX}"
-        shutil.rmtree(aside, ignore_errors=True)
-        os.rename(final, aside)
-        os.rename(incoming, final)
-        incoming = aside
-    shutil.rmtree(incoming, ignore_errors=True)  # the old contents, after a swap
-    _fsync(os.path.dirname(final))

@@ -1,75 +1,30 @@
-"""``checkpoint.write_latest``: ``latest`` changes atomically, after the tag's folder is on disk, and a failed
-write leaves the old one and no temporary file. (Checkpoints written by training runs: tests/launched/.)"""
+"""``checkpoint``: files written from XLA hold CPU tensors, every byte of them (a write the system cuts short is
+written on), with bounded host memory; a file that cannot be written, or a link in its place, is named and left
+nowhere. Tags and ``latest``: tests/test_checkpoint_tags.py; checkpoints of training runs: tests/launched/."""
+import errno
 import os
+import types
 
 import pytest
+import torch
 
 from deepspeed_xla import checkpoint
 
 
-def test_latest_names_the_tag_after_its_folder_is_synced(tmp_path, monkeypatch):
-    (tmp_path / "step3").mkdir()
-    synced = []
-    fsync = checkpoint._fsync
-    monkeypatch.setattr(checkpoint, "_fsync", lambda path: (synced.append(path), fsync(path)))
-    checkpoint.write_latest(str(tmp_path), "step3")
-    assert (tmp_path / "latest").read_text() == "step3"
-    assert synced == [str(tmp_path / "step3"), str(tmp_path)]
-    assert sorted(os.listdir(tmp_path)) == ["latest", "step3"]
-
-
-def test_failed_write_keeps_the_old_latest_and_leaves_no_temporary_file(tmp_path, monkeypatch):
-    checkpoint.write_latest(str(tmp_path), "step3")
-
-    def disk_full(*args):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "replace", disk_full)
-    with pytest.raises(OSError, match="No space left"):
-        checkpoint.write_latest(str(tmp_path), "step6")
-    assert (tmp_path / "latest").read_text() == "step3"
-    assert os.listdir(tmp_path) == ["latest"]
-
-
-def _saved(save_dir, tag: str, contents: str) -> None:
-    folder = save_dir / checkpoint.saving_tag(tag)
-    folder.mkdir()
-    (folder / "model.pt").write_text(contents)
-
-
-@pytest.mark.parametrize("swap", ["exchange", "move_aside"])
-def test_promote_names_the_complete_checkpoint_and_leaves_nothing_else(tmp_path, monkeypatch, swap):
-    if swap == "move_aside":  # not Linux, or a filesystem without RENAME_EXCHANGE
-        monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)
-    _saved(tmp_path, "last", "step 1")
-    checkpoint.promote(str(tmp_path), "last")
-    _saved(tmp_path, "last", "step 2")
-    (tmp_path / "last" / "stale_from_step_1.pt").write_text("only in the old contents")
-    checkpoint.promote(str(tmp_path), "last")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
-    assert sorted(p.name for p in (tmp_path / "last").iterdir()) == ["model.pt"]
-    assert (tmp_path / "last" / "model.pt").read_text() == "step 2"
-
-
-def test_exchange_swaps_two_folders_in_one_step(tmp_path):
-    for name in ("a", "b"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "from").write_text(name)
-    assert checkpoint._exchange(str(tmp_path / "a"), str(tmp_path / "b"))  # Linux: the path CI takes
-    assert [(tmp_path / name / "from").read_text() for name in ("a", "b")] == ["b", "a"]
-
-
-def test_an_unfinished_save_is_discarded_before_the_tag_is_written_again(tmp_path):
-    _saved(tmp_path, "last", "cut short")
-    checkpoint.discard_unfinished(str(tmp_path), "last")
-    assert not list(tmp_path.iterdir())
-
-
-def test_a_cut_short_shard_names_itself_and_the_other_checkpoints(tmp_path):
-    """torch's error for a truncated file names no file; DeepSpeed's load passes it on as it is."""
-    import torch
+def _engine(zipfile: bool = True):
+    """DeepSpeed's default checkpoint engine as a DeepSpeed config builds it (torch's zip format unless
+    ``"checkpoint": {"checkpoint_serialization": false}``), wrapped as on XLA."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-    engine = checkpoint.CpuCheckpointEngine(TorchCheckpointEngine())
+    from deepspeed.runtime.model_checkpointing import CHECKPOINT_SERIALIZATION
+    config = types.SimpleNamespace(checkpoint_config={CHECKPOINT_SERIALIZATION: zipfile})
+    return checkpoint.CpuCheckpointEngine(TorchCheckpointEngine(config))
+
+
+@pytest.mark.parametrize("zipfile", [True, False], ids=["zip", "legacy"])
+def test_a_cut_short_shard_names_itself_and_the_other_checkpoints(tmp_path, zipfile):
+    """torch's error for a truncated file names no file; DeepSpeed's load passes it on as it is. Both formats of
+    DeepSpeed's default engine (``checkpoint.save`` writes them)."""
+    engine = _engine(zipfile)
     for tag in ("global_step1", "global_step2"):
         (tmp_path / tag).mkdir()
         engine.save({"w": torch.ones(64)}, str(tmp_path / tag / "shard.pt"))
@@ -77,12 +32,15 @@ def test_a_cut_short_shard_names_itself_and_the_other_checkpoints(tmp_path):
     assert torch.equal(engine.load(str(tmp_path / "global_step1" / "shard.pt"), map_location="cpu")["w"],
                        torch.ones(64))
     shard = tmp_path / "global_step2" / "shard.pt"
+    with open(shard, "rb") as file:
+        assert torch.serialization._is_zipfile(file) == zipfile
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(RuntimeError) as cut:
         engine.load(str(shard), map_location="cpu")
     message = str(cut.value)
+    torch_says = "failed finding central directory" if zipfile else "pickle data was truncated"
     assert f"cannot load the checkpoint file {shard}" in message and "missing or cut short" in message, message
-    assert f"load_checkpoint({str(tmp_path)!r}, tag='global_step1')" in message, message
+    assert torch_says in message and f"load_checkpoint({str(tmp_path)!r}, tag='global_step1')" in message, message
     missing = tmp_path / "global_step1" / "gone.pt"
     with pytest.raises(RuntimeError, match=r"FileNotFoundError.*newest first: global_step2;"):
         engine.load(str(missing))
@@ -155,27 +113,94 @@ def test_save_holds_at_most_one_batch_of_host_copies(tmp_path, monkeypatch):
     assert loaded["again"] is loaded["sd"]["t0"] and isinstance(loaded["param"], torch.nn.Parameter)
 
 
-def test_a_full_disk_names_the_file_and_leaves_none(tmp_path):
-    """A real ENOSPC from the kernel (/dev/full): torch's own writer reports it as "unexpected pos". Within a save
-    of every rank the engine records it instead, for every rank to raise after the save's collectives."""
-    import types
-    import torch
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-    from deepspeed.runtime.model_checkpointing import CHECKPOINT_SERIALIZATION
-    config = types.SimpleNamespace(checkpoint_config={CHECKPOINT_SERIALIZATION: True})  # DeepSpeed's default
-    engine = checkpoint.CpuCheckpointEngine(TorchCheckpointEngine(config))
+class _ShortWrites(checkpoint._File):
+    """The file as Linux hands it over past 0x7ffff000 bytes a call, at a small scale: a write writes at most 1000
+    bytes and returns that count, as ``io.FileIO.write`` does."""
+
+    def write(self, data) -> int:
+        return super().write(memoryview(data).cast("B")[:1000])
+
+
+@pytest.mark.parametrize("zipfile", [True, False], ids=["zip", "legacy"])
+def test_a_write_the_system_cuts_short_is_written_on(tmp_path, monkeypatch, zipfile):
+    """torch's zip writer and the pickler call ``write`` once per record and ignore its count: without writing on,
+    the file would lose all but 1000 bytes of each record and save without a word. Both formats of the default
+    engine, XLA tensors fetched in batches (zip) or at once (legacy), CPU tensors and the pickled objects."""
+    import torch_xla
+    monkeypatch.setattr(checkpoint, "_File", _ShortWrites)
+    monkeypatch.setenv(checkpoint.BATCH_ENV, str(4096 / 2**20))
+    state = _xla_state(torch_xla.device(), [3000, 500, 2000])
+    state["host_big"], state["text"] = torch.arange(5000.0), "x" * 3000
+    _engine(zipfile).save(state, str(tmp_path / "shard.pt"))
+    loaded = torch.load(tmp_path / "shard.pt", weights_only=False)
+    expected = checkpoint.to_cpu(state)
+    for key in ("again", "param", "host", "bf16_t", "host_big"):
+        assert torch.equal(loaded[key], expected[key]), key
+    assert all(torch.equal(loaded["sd"][name], expected["sd"][name]) for name in expected["sd"])
+    assert loaded["step"] == 3 and loaded["text"] == "x" * 3000
+
+
+def test_a_tensor_over_2_gib_is_saved_whole(tmp_path):
+    """Linux writes at most 0x7ffff000 bytes in one call: one tensor over 2 GiB (a ZeRO partition or Adam moment of a
+    7B model at 8 ranks) lost its last bytes, and the file did not load. 2.1 GiB of int8, saved, loaded
+    memory-mapped and compared; the file is removed."""
+    size = int(2.1 * 2**30)
+    tensor = torch.zeros(size, dtype=torch.int8)
+    tensor[::4096] = 1
+    tensor[-7:] = torch.arange(7, dtype=torch.int8) + 2  # the bytes a cut-short write loses first
+    path = tmp_path / "big.pt"
+    try:
+        checkpoint.save({"moments": tensor, "step": 9}, str(path))
+        loaded = torch.load(path, mmap=True, weights_only=False)
+        assert loaded["step"] == 9 and loaded["moments"].shape == (size, )
+        assert torch.equal(loaded["moments"], tensor)
+        del loaded
+    finally:
+        path.unlink(missing_ok=True)
+
+
+class _FullAfter(checkpoint._File):
+    """A disk that fills while the file is written: writes go through until 3000 bytes are in the file (the last one
+    cut short), then fail with the kernel's ENOSPC, kept as ``_File`` keeps it."""
+
+    def write(self, data) -> int:
+        room = 3000 - self.tell()
+        if room <= 0:
+            self.error = self.error or OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise self.error
+        return super().write(memoryview(data).cast("B")[:room])
+
+
+@pytest.mark.parametrize("zipfile", [True, False], ids=["zip", "legacy"])
+def test_a_disk_that_fills_while_saving_names_the_file_and_leaves_none(tmp_path, monkeypatch, zipfile):
+    """The disk fills part-way through the file: the save stops naming it and removes what it wrote. Within a save of
+    every rank the engine records the error instead, for every rank to raise after the save's collectives."""
+    monkeypatch.setattr(checkpoint, "_File", _FullAfter)
+    engine = _engine(zipfile)
     shard = tmp_path / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    shard.symlink_to("/dev/full")
     with pytest.raises(OSError) as full:
-        engine.save({"w": torch.ones(1024)}, str(shard))
-    assert full.value.errno == 28
+        engine.save({"w": torch.ones(4096)}, str(shard))
+    assert full.value.errno == errno.ENOSPC
     message = f"could not write the checkpoint file {shard}: no space left on device"
     assert message in str(full.value) and "`latest` keeps naming the last complete checkpoint" in str(full.value)
     assert not list(tmp_path.iterdir())
-    shard.symlink_to("/dev/full")
     with engine.deferring_write_errors() as failures:
-        engine.save({"w": torch.ones(1024)}, str(shard))
+        engine.save({"w": torch.ones(4096)}, str(shard))
     assert not list(tmp_path.iterdir())
     assert checkpoint.first_failure([[], []]) is None
     deferred = checkpoint.first_failure([[], failures])
-    assert deferred.errno == 28 and message in str(deferred)
+    assert deferred.errno == errno.ENOSPC and message in str(deferred)
+
+
+def test_a_link_in_place_of_the_file_is_not_written_through(tmp_path):
+    """A link left where a checkpoint file goes (by someone who could write to that folder) is refused, naming it;
+    the file it points to keeps its contents."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    shard = tmp_path / "mp_rank_00_model_states.pt"
+    shard.symlink_to(victim)
+    with pytest.raises(OSError) as refused:
+        _engine().save({"w": torch.ones(4)}, str(shard))
+    assert refused.value.errno == errno.ELOOP
+    assert f"did not write the checkpoint file {shard}: it is a symbolic link" in str(refused.value)
+    assert victim.read_text() == "precious" and shard.is_symlink()

@@ -104,6 +104,8 @@ PATCHES = [
           "1adbe5fc9cc0c1d1"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "save_checkpoint", engine.save_checkpoint,
           "c92409217281487c"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_copy_recovery_script", engine.copy_recovery_script,
+          "4bfd767dbf04240b"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_get_shared_params", engine.get_shared_params,
           "7ca3cfe76bcd4439"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "load_checkpoint", engine.sync_after, "5728d3dfa42a3d6c"),

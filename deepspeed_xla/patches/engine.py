@@ -235,6 +235,27 @@ def get_shared_params(original):
     return get_shared_params
 
 
+def _raise_first_failure(failures) -> None:
+    """Every rank raises the error of the lowest rank that recorded one (``checkpoint.first_failure``), or none does:
+    an error that one rank alone sees would leave the others waiting for it in the next collective."""
+    from deepspeed import comm as dist
+    from deepspeed_xla import checkpoint
+    failures_per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(failures_per_rank, failures)
+    failure = checkpoint.first_failure(failures_per_rank)
+    if failure is not None:
+        raise failure
+
+
+def _record(failures: list, what: str, advice: str, action, *args) -> None:
+    """Run ``action``; its OS error goes into ``failures`` for every rank to raise, saying what failed and why."""
+    try:
+        action(*args)
+    except OSError as error:
+        from deepspeed import comm as dist
+        failures.append((error.errno, f"deepspeed_xla: rank {dist.get_rank()} could not {what}: {error}. {advice}"))
+
+
 def save_checkpoint(original):
     """Write the tag aside and name it, then ``latest``, only once every rank's files are on disk.
 
@@ -242,10 +263,10 @@ def save_checkpoint(original):
     rank is still writing (or dies writing), and a tag saved again is overwritten file by file. Here
     the upstream save writes ``<tag>.saving`` and ends with a barrier that every rank reaches after its
     files; then the rank that made ``save_dir`` (upstream's choice: rank 0, or each node's with node-local
-    storage) gives it the tag's name, rank 0 writes ``latest``, and a barrier ends the save as upstream.
-    A file that a rank cannot write (a full disk) does not stop that rank inside upstream's save, where the
-    others would wait for it in the barrier: after it, every rank learns of it, ``<tag>.saving`` is removed,
-    and every rank raises it. Decoupled (asynchronous) checkpoint engines write ``latest`` when they commit
+    storage) gives it the tag's name, rank 0 writes ``latest``, and every rank learns whether that worked.
+    An error one rank alone sees (a file it cannot write, a ``save_dir`` others may write to, the rename, ``latest``)
+    does not stop that rank while the others wait for it in a collective: every rank raises it, and a failed write
+    removes ``<tag>.saving``. Decoupled (asynchronous) checkpoint engines write ``latest`` when they commit
     and are left as they are.
     """
 
@@ -256,30 +277,54 @@ def save_checkpoint(original):
         if self.checkpoint_engine.is_decoupled():
             return original(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         from deepspeed import comm as dist
-        from deepspeed_xla import checkpoint
+        from deepspeed_xla import checkpoint_tags as tags
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         writes_save_dir = (self.local_rank if self.use_node_local_storage() else self.global_rank) == 0
+        refused = []
+        _record(refused, f"save a checkpoint in {save_dir}", "Nothing was written.", tags.check_save_dir, save_dir)
+        _raise_first_failure(refused)
         if writes_save_dir:  # before upstream's first barrier: no rank writes yet
-            checkpoint.discard_unfinished(save_dir, tag)
+            tags.discard_unfinished(save_dir, tag)
         with self.checkpoint_engine.deferring_write_errors() as failures:
-            result = original(self, save_dir, checkpoint.saving_tag(tag), client_state, False,
-                              exclude_frozen_parameters)
-        failures_per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(failures_per_rank, failures)
-        failure = checkpoint.first_failure(failures_per_rank)
-        if failure is not None:
+            result = original(self, save_dir, tags.saving_tag(tag), client_state, False, exclude_frozen_parameters)
+        try:
+            _raise_first_failure(failures)
+        except OSError:
             if writes_save_dir:
-                checkpoint.discard_unfinished(save_dir, tag)
+                tags.discard_unfinished(save_dir, tag)
             dist.barrier()  # no rank stops before the unfinished tag is gone
-            raise failure
+            raise
+        ending = []
         if writes_save_dir:
-            checkpoint.promote(save_dir, tag)
-        if save_latest and self.global_rank == 0:
-            checkpoint.write_latest(save_dir, tag)
-        dist.barrier()
+            _record(ending, f"give the complete checkpoint {os.path.join(save_dir, tags.saving_tag(tag))} the name "
+                            f"{tag}", f"`latest` keeps naming the last complete checkpoint. {save_dir} must let this "
+                            "user rename folders in it (gcsfuse: a bucket with hierarchical namespace).",
+                    tags.promote, save_dir, tag)
+        if save_latest and self.global_rank == 0 and not ending:
+            _record(ending, f"point {os.path.join(save_dir, tags.LATEST)} at the checkpoint {tag}",
+                    f"The checkpoint is complete: load_checkpoint({save_dir!r}, tag={tag!r}) loads it; `latest` keeps "
+                    "naming the one before.", tags.write_latest, save_dir, tag)
+        _raise_first_failure(ending)  # also ends the save, as upstream's barrier did
         return result
 
     return save_checkpoint
+
+
+def copy_recovery_script(original):
+    """Rank 0 alone copies DeepSpeed's recovery scripts into ``save_dir`` at the end of a save: an error there is
+    held for every rank to raise (``CpuCheckpointEngine.hold``), not raised while the others wait in a barrier."""
+
+    @functools.wraps(original)
+    def copy(self, save_path):
+        try:
+            return original(self, save_path)
+        except OSError as error:
+            self.checkpoint_engine.hold(OSError(error.errno, (
+                f"deepspeed_xla: rank 0 could not copy DeepSpeed's recovery scripts (zero_to_fp32.py, "
+                f"zero_to_torch.py) into {save_path}: {error}. This save is abandoned: `latest` keeps naming the last "
+                "complete checkpoint. Fix the cause it names, or save to another save_dir.")))
+
+    return copy
 
 
 CONVERSION = ("python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state --input_folder {folder} "
@@ -296,6 +341,8 @@ def zero_checkpoint_world_size(original):
 
     @functools.wraps(original)
     def load(self, load_dir, tag, load_optimizer_states=True):
+        from deepspeed_xla import checkpoint_tags
+        tag = checkpoint_tags.loadable_tag(load_dir, tag, warn=False)  # warned of in _load_checkpoint
         saved, now = self.loaded_checkpoint_dp_world_size, self.seq_dp_world_size
         if load_optimizer_states and not self.load_universal_checkpoint() and saved != now:
             from deepspeed.runtime.zero.utils import ZeRORuntimeException
@@ -330,15 +377,22 @@ def ranks_agree(original):
 def _saved_zero_stage(folder: str):
     """The ZeRO stage of the DeepSpeed config a checkpoint folder was saved with (None: no model file with one).
 
-    Read from its (first) model file, memory-mapped: only the pickled metadata is read, not the weights.
+    Read from its (first) model file, memory-mapped in torch's zip format: only the pickled metadata is read, not the
+    weights (a legacy-format file, ``"checkpoint_serialization": false``, cannot be mapped and is read whole). A config
+    of ``"zero_optimization": true`` (DeepSpeed's legacy form) is stage 1, as DeepSpeed reads it.
     """
     import glob
     import torch
     for pattern in ("mp_rank_*_model_states.pt", "zero_pp_rank_*_mp_rank_*_model_states.pt"):
         found = sorted(glob.glob(os.path.join(glob.escape(folder), pattern)))
         if found:
-            config = torch.load(found[0], map_location="cpu", mmap=True, weights_only=False).get("ds_config")
-            return config.get("zero_optimization", {}).get("stage", 0) if isinstance(config, dict) else None
+            with open(found[0], "rb") as file:
+                mappable = torch.serialization._is_zipfile(file)
+            config = torch.load(found[0], map_location="cpu", mmap=mappable, weights_only=False).get("ds_config")
+            zero = config.get("zero_optimization", {}) if isinstance(config, dict) else None
+            if isinstance(zero, bool):
+                return int(zero)
+            return zero.get("stage", 0) if isinstance(zero, dict) else None
     return None
 
 
@@ -374,6 +428,8 @@ def zero_stage_of_checkpoint(original):
     @functools.wraps(original)
     def load(self, load_dir, tag, load_module_strict=True, load_optimizer_states=True, load_lr_scheduler_states=True,
              load_module_only=False, custom_load_fn=None):
+        from deepspeed_xla import checkpoint_tags
+        tag = checkpoint_tags.loadable_tag(load_dir, tag)
         saved = _saved_zero_stage(os.path.join(load_dir, str(tag)))
         if saved is not None:
             problem = _stage_change_problem(load_dir, tag, saved, self.zero_optimization_stage(),

@@ -106,13 +106,6 @@ def test_to_cpu_copies_every_xla_tensor_with_one_execution():
     assert state["sd"]["w"].device.type == "xla"  # the engine's state is left as it was
 
 
-def test_write_latest_replaces_the_tag_atomically(tmp_path):
-    checkpoint.write_latest(str(tmp_path), "global_step1")
-    checkpoint.write_latest(str(tmp_path), "global_step2")
-    assert [p.name for p in tmp_path.iterdir()] == ["latest"]
-    assert (tmp_path / "latest").read_text() == "global_step2"
-
-
 def load_without_torch_xla(folder: Path, zero_tag: str = "") -> dict:
     env = clean_env(DS_ACCELERATOR="cpu", PYTHONPATH=FIXTURES / "no_torch_xla")
     proc = run_command([sys.executable, "-c", LOAD_WITHOUT_XLA, str(folder), zero_tag], 300, env=env)
@@ -272,7 +265,7 @@ def test_rank_killed_while_saving_leaves_the_previous_checkpoint(killed_saves, t
 
 
 def test_disk_full_on_one_rank_is_named_by_every_rank_and_leaves_the_previous_checkpoint(killed_saves):
-    """A real ENOSPC (the shard is /dev/full) on rank 1: each rank raises its error, naming the rank and the file
+    """ENOSPC part-way through rank 1's shard (4 KiB written): each rank raises its error, naming the rank and the file
     (or, should rank 1's reach it first, stops naming it); the half-written tag is removed, no temporary file is
     left."""
     save_dir, code, output = killed_saves[DISK_FULL]
@@ -285,3 +278,142 @@ def test_disk_full_on_one_rank_is_named_by_every_rank_and_leaves_the_previous_ch
                                                           "zero_to_torch.py"]
     assert not [p for p in save_dir.rglob("*") if ".tmp." in p.name or p.name.endswith(".saving")]
     assert_only_complete_checkpoints(save_dir, "global_step1", output)
+
+
+def _tiny_engine(config: dict):
+    import deepspeed
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.05}}}
+    engine, *_ = deepspeed.initialize(model=model, config={**base, **config})
+    return engine
+
+
+def _train(engine, steps: int) -> None:
+    x = torch.arange(12.0).reshape(2, 6).to(engine.device) / 10
+    for _ in range(steps):
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+
+
+def _outcome(action) -> list:
+    """[errno, message] of the OSError ``action`` raised; [0, ""] if it raised none."""
+    try:
+        action()
+        return [0, ""]
+    except OSError as error:
+        return [error.errno, str(error)]
+
+
+def errors_one_rank_sees_at_the_end_of_a_save():
+    """Run by ``run_ranks`` (2 ranks, ZeRO-1): rank 0 alone fails in turn to rename the tag, to write ``latest`` and
+    to copy DeepSpeed's recovery scripts; then every rank tries a folder that every user may write to. Each save's
+    outcome on this rank, and ``latest`` after each, as JSON; then one more save, which must work."""
+    import errno
+    import json
+    import os
+    from pathlib import Path
+    save_dir = Path(sys.argv[1])
+    engine = _tiny_engine({"zero_optimization": {"stage": 1}})
+    _train(engine, 1)
+    engine.save_checkpoint(str(save_dir), tag="good")
+    rank, rename, replace = engine.global_rank, os.rename, os.replace
+
+    def failing(upstream, part: str, code: int):
+        def call(source, target):
+            if str(target).endswith(part):
+                raise OSError(code, os.strerror(code), str(source), None, str(target))
+            return upstream(source, target)
+        return call
+
+    outcomes = {}
+    for name, patch in (("rename", ("rename", failing(rename, "/renamed", errno.EXDEV))),
+                        ("unnamed", ("replace", failing(replace, "/latest", errno.ENOSPC))),
+                        ("recovery_script", None)):
+        if rank == 0 and patch:
+            setattr(os, *patch)
+        if rank == 0 and name == "recovery_script":
+            (save_dir / "zero_to_fp32.py").unlink()
+            (save_dir / "zero_to_fp32.py").mkdir()
+        outcomes[name] = _outcome(lambda: engine.save_checkpoint(str(save_dir), tag="renamed" if name == "rename"
+                                                                 else name))
+        os.rename, os.replace = rename, replace
+        outcomes[name].append((save_dir / "latest").read_text())
+    if rank == 0:
+        (save_dir / "zero_to_fp32.py").rmdir()
+        (save_dir / "shared").mkdir(mode=0o777)
+        os.chmod(save_dir / "shared", 0o777)
+    torch.distributed.barrier()
+    outcomes["shared"] = _outcome(lambda: engine.save_checkpoint(str(save_dir / "shared"), tag="shared"))
+    engine.save_checkpoint(str(save_dir), tag="after")
+    outcomes["after"] = (save_dir / "latest").read_text()
+    print(json.dumps(outcomes))
+
+
+def test_an_error_one_rank_sees_at_the_end_of_a_save_is_raised_by_every_rank(tmp_path):
+    """Rank 0 alone renames the tag, writes ``latest`` and copies the recovery scripts: upstream raised there on rank 0
+    while rank 1 waited in the save's last barrier. Every rank raises the same error, naming rank 0, what failed and
+    the way out; ``latest`` keeps naming the last complete checkpoint, and the ranks save on together afterwards. A
+    folder every user may write to is refused by every rank before anything is written."""
+    from tests.multiproc import run_ranks
+    save_dir = tmp_path / "ckpt"
+    procs = run_ranks("tests.launched.test_checkpoint:errors_one_rank_sees_at_the_end_of_a_save", 2,
+                      args=(save_dir, ), env={"DS_ACCELERATOR": "xla", "DS_XLA_COMM_TIMEOUT": "60"})
+    assert all(proc.returncode == 0 for proc in procs), "\n".join(proc.stderr[-4000:] for proc in procs)
+    rank0, rank1 = (json.loads(proc.stdout.strip().splitlines()[-1]) for proc in procs)
+    assert rank0 == rank1, (rank0, rank1)
+    renamed, latest, script = rank0["rename"], rank0["unnamed"], rank0["recovery_script"]
+    assert renamed[0] == 18 and renamed[2] == "good", renamed
+    assert (f"rank 0 could not give the complete checkpoint {save_dir}/renamed.saving the name renamed: [Errno 18] "
+            "Invalid cross-device link" in renamed[1] and "a bucket with hierarchical namespace" in renamed[1]), renamed
+    assert latest[0] == 28 and latest[2] == "good", latest
+    assert (f"rank 0 could not point {save_dir}/latest at the checkpoint unnamed: [Errno 28] No space left on device"
+            in latest[1] and f"load_checkpoint('{save_dir}', tag='unnamed') loads it" in latest[1]), latest
+    assert script[0] == 21 and script[2] == "good", script
+    assert (f"rank 0 could not copy DeepSpeed's recovery scripts (zero_to_fp32.py, zero_to_torch.py) into {save_dir}: "
+            "[Errno 21] Is a directory" in script[1] and "This save is abandoned" in script[1]), script
+    assert not (save_dir / "recovery_script").exists() and not (save_dir / "recovery_script.saving").exists()
+    shared = rank0["shared"]
+    assert shared[0] == 1 and f"every user may write to the checkpoint folder {save_dir / 'shared'}" in shared[1]
+    assert not list((save_dir / "shared").iterdir())
+    assert rank0["after"] == "after"
+
+
+def legacy_configs_save_and_load():
+    """Run by ``run_ranks`` (1 rank): DeepSpeed's legacy file format (``checkpoint_serialization: false``) and legacy
+    ZeRO switch (``"zero_optimization": true``, stage 1): save after 2 steps, load into a new engine, 1 more step
+    each; the weights and losses as JSON."""
+    import json
+    save_dir = sys.argv[1]
+    results = {}
+    for name, config in (("legacy_format", {"checkpoint": {"checkpoint_serialization": False},
+                                            "zero_optimization": {"stage": 2}}),
+                         ("zero_true", {"zero_optimization": True})):
+        engine = _tiny_engine(config)
+        _train(engine, 2)
+        engine.save_checkpoint(f"{save_dir}/{name}")
+        _train(engine, 1)
+        resumed = _tiny_engine(config)
+        path, _ = resumed.load_checkpoint(f"{save_dir}/{name}")
+        _train(resumed, 1)
+        results[name] = {"loaded": path is not None, "steps": resumed.global_steps,
+                         "weights": [[p.detach().cpu().tolist() for p in e.module.parameters()]
+                                     for e in (engine, resumed)]}
+    print(json.dumps(results))
+
+
+def test_legacy_file_format_and_legacy_zero_switch_resume(tmp_path):
+    """Upstream's legacy forms load: the legacy file format failed in the ZeRO stage check (it memory-mapped a file
+    torch cannot map) and ``"zero_optimization": true`` with ``'bool' object has no attribute 'get'``. Resumed, each
+    trains as the run that saved it did (same weights after one more step; the same XLA graphs on the same values)."""
+    from tests.multiproc import run_ranks
+    [proc] = run_ranks("tests.launched.test_checkpoint:legacy_configs_save_and_load", 1, args=(tmp_path, ),
+                       env={"DS_ACCELERATOR": "xla"})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, result in results.items():
+        assert result["loaded"] and result["steps"] == 3, (name, result)
+        saved, resumed = result["weights"]
+        assert saved == resumed, name
+    with open(tmp_path / "legacy_format" / "global_step2" / "mp_rank_00_model_states.pt", "rb") as file:
+        assert not torch.serialization._is_zipfile(file)
