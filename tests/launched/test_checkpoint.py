@@ -379,41 +379,52 @@ def test_an_error_one_rank_sees_at_the_end_of_a_save_is_raised_by_every_rank(tmp
     assert rank0["after"] == "after"
 
 
-def legacy_configs_save_and_load():
-    """Run by ``run_ranks`` (1 rank): DeepSpeed's legacy file format (``checkpoint_serialization: false``) and legacy
-    ZeRO switch (``"zero_optimization": true``, stage 1): save after 2 steps, load into a new engine, 1 more step
-    each; the weights and losses as JSON."""
+def resumes_of_one_rank():
+    """Run by ``run_ranks`` (1 rank): DeepSpeed's legacy file format (``checkpoint_serialization: false``), its legacy
+    ZeRO switch (``"zero_optimization": true``, stage 1), and a ZeRO-2 tag ``latest`` names that a save stopped
+    between the move-aside renames left as ``<tag>.replaced``: save after 2 steps, load into a new engine, 1 more step
+    each; what was loaded and the weights as JSON."""
     import json
+    import os
     save_dir = sys.argv[1]
     results = {}
     for name, config in (("legacy_format", {"checkpoint": {"checkpoint_serialization": False},
                                             "zero_optimization": {"stage": 2}}),
-                         ("zero_true", {"zero_optimization": True})):
+                         ("zero_true", {"zero_optimization": True}),
+                         ("moved_aside", {"zero_optimization": {"stage": 2}})):
         engine = _tiny_engine(config)
         _train(engine, 2)
-        engine.save_checkpoint(f"{save_dir}/{name}")
+        engine.save_checkpoint(f"{save_dir}/{name}", tag="last")
+        if name == "moved_aside":  # what the first rename of promote's move-aside path leaves
+            os.rename(f"{save_dir}/{name}/last", f"{save_dir}/{name}/last.replaced")
         _train(engine, 1)
         resumed = _tiny_engine(config)
         path, _ = resumed.load_checkpoint(f"{save_dir}/{name}")
         _train(resumed, 1)
-        results[name] = {"loaded": path is not None, "steps": resumed.global_steps,
+        results[name] = {"loaded": path, "steps": resumed.global_steps,
                          "weights": [[p.detach().cpu().tolist() for p in e.module.parameters()]
                                      for e in (engine, resumed)]}
     print(json.dumps(results))
 
 
-def test_legacy_file_format_and_legacy_zero_switch_resume(tmp_path):
+def test_legacy_forms_and_a_tag_moved_aside_resume(tmp_path):
     """Upstream's legacy forms load: the legacy file format failed in the ZeRO stage check (it memory-mapped a file
-    torch cannot map) and ``"zero_optimization": true`` with ``'bool' object has no attribute 'get'``. Resumed, each
-    trains as the run that saved it did (same weights after one more step; the same XLA graphs on the same values)."""
+    torch cannot map) and ``"zero_optimization": true`` with ``'bool' object has no attribute 'get'``. A tag that a
+    save stopped between its two renames left as ``<tag>.replaced`` loads from there, saying so (it was "not found").
+    Resumed, each trains as the run that saved it did (same weights after one more step: the same XLA graphs on the
+    same values)."""
     from tests.multiproc import run_ranks
-    [proc] = run_ranks("tests.launched.test_checkpoint:legacy_configs_save_and_load", 1, args=(tmp_path, ),
+    [proc] = run_ranks("tests.launched.test_checkpoint:resumes_of_one_rank", 1, args=(tmp_path, ),
                        env={"DS_ACCELERATOR": "xla"})
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(results) == ["legacy_format", "moved_aside", "zero_true"]
     for name, result in results.items():
-        assert result["loaded"] and result["steps"] == 3, (name, result)
+        tag = "last.replaced" if name == "moved_aside" else "last"
+        assert result["loaded"] == str(tmp_path / name / tag / "mp_rank_00_model_states.pt"), (name, result)
+        assert result["steps"] == 3, (name, result)
         saved, resumed = result["weights"]
         assert saved == resumed, name
-    with open(tmp_path / "legacy_format" / "global_step2" / "mp_rank_00_model_states.pt", "rb") as file:
+    assert f"the checkpoint {tmp_path}/moved_aside/last is missing" in proc.stderr, proc.stderr[-3000:]
+    with open(tmp_path / "legacy_format" / "last" / "mp_rank_00_model_states.pt", "rb") as file:
         assert not torch.serialization._is_zipfile(file)
