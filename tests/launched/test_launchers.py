@@ -220,7 +220,9 @@ COMMAS = {"DSX_TEST_COMMAS": "a,b,c"}
 
 def test_deepspeed_slurm_launcher_matches_cpu_accelerator(tmp_path, slurm, cpu_run):
     """Every task gets the .deepspeed_env's values whole (commas included) and the shell's where the runner says the
-    shell's wins; DS_ACCELERATOR only in the file."""
+    shell's wins; DS_ACCELERATOR only in the file. srun's ``--export=ALL`` lets the caller's environment (the
+    runner's, which holds both) beat its ``NAME=value`` entries (srun(1)), so this holds with DeepSpeed's command
+    too: the cut ``--export`` entry is checked in tests/patches/test_launcher.py."""
     log = tmp_path / "runtime.jsonl"
     (tmp_path / ".deepspeed_env").write_text("DS_ACCELERATOR=xla\n" + "".join(
         f"{key}={value}\n" for key, value in {**COMMAS, **dict.fromkeys(SHELL_WINS, "file")}.items()))
