@@ -19,6 +19,9 @@ LEAVES = ("bootstrap", "launch_env", "env_vars", "env_file", "xla_runtime", "pat
 FORBIDDEN = (("devices", "comm"), ("comm", "devices"))
 #: Modules only their own package and the command line may import.
 TOP = ("report", "bench")
+#: Packages whose modules import one another one way: their ``__init__``, which Python runs before any of their
+#: modules, imports none of them (else every module of the package is in a circle through it).
+ONE_WAY_PACKAGES = ("comm", )
 
 
 def _module_names() -> Dict[str, Path]:
@@ -96,6 +99,12 @@ def test_nothing_imports_the_top(top):
     importers = sorted(name for name, imported in GRAPH.items()
                        if not _under(name, top) and any(_under(n, top) for n in imported))
     assert not importers, f"{importers} import {top}"
+
+
+@pytest.mark.parametrize("package", ONE_WAY_PACKAGES)
+def test_the_package_init_imports_none_of_its_modules(package):
+    inside = sorted(name for name in GRAPH[f"{PACKAGE}.{package}"] if _under(name, package))
+    assert not inside, f"{package}/__init__.py imports {inside}"
 
 
 def test_torch_xla_is_imported_only_by_xla_runtime():

@@ -5,7 +5,7 @@ buffers through DLPack, and each result reaches its XLA tensor as a copy from an
 buffer inside the next graph (for a whole tensor, torch_xla just adopts the buffer). An in-place
 operand is copied once on the host first, since XLA buffers must not change; large buffers are reused
 (``host_buffers``). Elsewhere (the TPU side channel) the operands are copied to host memory and back.
-Which of the two applies is told once, when the backend is registered (``comm.register_backend``).
+Which of the two applies is told once, when the backend is registered (``backends.register_backend``).
 """
 from typing import List, Sequence
 

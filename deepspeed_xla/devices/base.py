@@ -19,7 +19,7 @@ class DeviceType(ABC):
     has_xla_collectives: bool = False
     #: Whether device buffers are host memory that gloo can read and fill directly (DLPack, no copies).
     host_addressable: bool = False
-    #: The torch.distributed backend (``deepspeed_xla.comm.BACKENDS``) that processes of this type use.
+    #: The torch.distributed backend (``deepspeed_xla.comm.backends.BACKENDS``) that processes of this type use.
     comm_backend: str = ""
 
     @abstractmethod

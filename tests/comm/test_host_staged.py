@@ -1,4 +1,5 @@
-"""The ``xla_host`` backend on two PJRT CPU processes: every collective, on real XLA tensors.
+"""The ``xla_host`` backend on two PJRT CPU processes: every collective, on real XLA tensors; and the reductions on
+three, where gloo reduces in place (two ranks swap operands instead).
 
 One 2-rank launch runs all checks in order (importing torch_xla costs seconds per process). Each rank
 prints ``PASS <check>`` after a check; the first failure ends that rank with its traceback, and its
@@ -16,8 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _coalescing_manager
 
-from deepspeed_xla import comm
-from deepspeed_xla.comm import agreement, host_buffers, staging
+from deepspeed_xla.comm import agreement, backends, host_buffers, staging
 from tests.multiproc import run_ranks
 
 WORLD = 2
@@ -45,7 +45,7 @@ def values(rank: int, shape, dtype=torch.float32, salt: int = 0) -> torch.Tensor
 
 def reduced(op: str, shape, dtype, salt: int = 0) -> torch.Tensor:
     """What reducing every rank's ``values(rank, shape, dtype, salt)`` with ``op`` gives."""
-    stacked = torch.stack([values(r, shape, dtype, salt).double() for r in range(WORLD)])
+    stacked = torch.stack([values(r, shape, dtype, salt).double() for r in range(dist.get_world_size())])
     return REDUCE[op][1](stacked).to(dtype)
 
 
@@ -587,7 +587,7 @@ STAGING = {"zero-copy": True, "copies": False}  # PJRT CPU's path, and the TPU s
 
 def rank_main() -> None:
     """One rank: join the ``xla_host`` world and run every check in order, for each way of staging."""
-    dist.init_process_group(comm.register_backend("xla_host", host_addressable=True), timeout=TIMEOUT)
+    dist.init_process_group(backends.register_backend("xla_host", host_addressable=True), timeout=TIMEOUT)
     rank = dist.get_rank()
     for name, zero_copy in STAGING.items():
         staging.configure(zero_copy)
@@ -597,9 +597,42 @@ def rank_main() -> None:
     dist.destroy_process_group()
 
 
+IN_PLACE = ("SUM", "MAX", "MIN", "PRODUCT")  # every value of a product of 3 ranks' is exact in bf16 up to its last step
+
+
+def in_place_reductions(rank: int) -> None:
+    """All-reduces of more than two ranks: gloo reduces a writable copy of each operand in place."""
+    for dtype in DTYPES:
+        for shape in ((),) + SHAPES:
+            for op in IN_PLACE:
+                tensor = xla(values(rank, shape, dtype))
+                dist.all_reduce(tensor, op=REDUCE[op][0])
+                expect(f"all_reduce {op} {dtype} {shape}", tensor, reduced(op, shape, dtype))
+        for op in IN_PLACE:
+            tensors = [xla(values(rank, shape, dtype, salt)) for salt, shape in enumerate(SHAPES)]
+            dist.all_reduce_coalesced(tensors, op=REDUCE[op][0])
+            for salt, (shape, tensor) in enumerate(zip(SHAPES, tensors)):
+                expect(f"all_reduce_coalesced {op} {dtype} {shape}", tensor, reduced(op, shape, dtype, salt))
+
+
+def three_rank_main() -> None:
+    """One of three ranks: the in-place reductions, for each way of staging."""
+    dist.init_process_group(backends.register_backend("xla_host", host_addressable=True), timeout=TIMEOUT)
+    for name, zero_copy in STAGING.items():
+        staging.configure(zero_copy)
+        in_place_reductions(dist.get_rank())
+        print(f"PASS {name} in_place_reductions", flush=True)
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def ranks():
     return run_ranks(f"{__name__}:rank_main", WORLD)
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return run_ranks(f"{__name__}:three_rank_main", 3)
 
 
 @pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])
@@ -609,6 +642,14 @@ def test_collective(ranks, staging, name):
         if f"PASS {staging} {name}" not in proc.stdout.splitlines():
             pytest.fail(f"rank {rank} (exit code {proc.returncode}) did not pass {name} ({staging}):\n"
                         f"{proc.stderr[-6000:]}")
+
+
+@pytest.mark.parametrize("staging", list(STAGING))
+def test_reductions_of_three_ranks_in_place(three_ranks, staging):
+    for rank, proc in enumerate(three_ranks):
+        assert f"PASS {staging} in_place_reductions" in proc.stdout.splitlines(), (
+            f"rank {rank} (exit code {proc.returncode}):\n{proc.stderr[-6000:]}")
+    assert [proc.returncode for proc in three_ranks] == [0, 0, 0]
 
 
 def test_ranks_exit_cleanly(ranks):

@@ -27,8 +27,8 @@ def one_rank_main() -> None:
     import torch.distributed as dist
     import torch_xla
 
-    from deepspeed_xla import comm
-    dist.init_process_group(comm.register_backend("xla_ds", host_addressable=True))
+    from deepspeed_xla.comm import backends
+    dist.init_process_group(backends.register_backend("xla_ds", host_addressable=True))
     assert dist.get_backend() == "xla_ds"
     device = torch_xla.device()
     dist.barrier()
@@ -101,8 +101,8 @@ def four_rank_main() -> None:
     import torch.distributed as dist
     import torch_xla
 
-    from deepspeed_xla import comm
-    dist.init_process_group(comm.register_backend("xla_ds", host_addressable=True))
+    from deepspeed_xla.comm import backends
+    dist.init_process_group(backends.register_backend("xla_ds", host_addressable=True))
     rank, device = dist.get_rank(), torch_xla.device()
     pairs, ends = dist.new_group([0, 1]), dist.new_group([0, 3])
     if rank < 2:

@@ -2,7 +2,8 @@
 import pytest
 import torch.distributed as dist
 
-from deepspeed_xla import comm, devices
+from deepspeed_xla import devices
+from deepspeed_xla.comm import backends
 
 
 @pytest.mark.parametrize("name", list(devices.DEVICE_TYPES))
@@ -11,14 +12,14 @@ def test_each_device_type_names_a_backend_that_registers(monkeypatch, name):
     from deepspeed_xla.comm import staging
     monkeypatch.setattr(staging, "_zero_copy", staging.zero_copy())  # registering sets it for the process
     device_type = devices.DEVICE_TYPES[name]()
-    assert device_type.comm_backend in comm.BACKENDS
-    comm.register_backend(device_type.comm_backend, device_type.host_addressable)
+    assert device_type.comm_backend in backends.BACKENDS
+    backends.register_backend(device_type.comm_backend, device_type.host_addressable)
     assert device_type.comm_backend.upper() in dist.Backend._plugins
 
 
 def test_an_unknown_backend_names_the_choices():
     with pytest.raises(ValueError, match="'nccl' is not a deepspeed_xla backend; use one of xla_host, xla_ds"):
-        comm.register_backend("nccl", host_addressable=False)
+        backends.register_backend("nccl", host_addressable=False)
 
 
 def test_the_decision_follows_pjrt_device_and_is_reused(monkeypatch):
