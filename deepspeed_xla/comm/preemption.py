@@ -7,14 +7,19 @@ the rendezvous store, two past the last step it completed; every step has collec
 step ahead of another, and none has passed the target yet. Every rank reads the store at the end of each optimizer
 step (a store read, no device read) and saves when it reaches the target. SIGTERM is learned in the Python handler
 (the main thread, between bytecodes) or, while a collective holds the main thread, by the watchdog's thread from the
-signal's wakeup fd (``watchdog._Sigterm``); a lock keeps the step this rank completed and the target it publishes
-in order between the two.
+signal's wakeup fd (``signals.Sigterm``); a lock keeps the step this rank completed and the target it publishes
+in order between the two. A SIGTERM that no optimizer step follows within the heartbeat timeout (it came while the
+first step compiles, in an evaluation, a data stall or a hang) stops the job without a checkpoint (``overdue``):
+the scheduler's SIGKILL would come anyway, and the peers must learn why.
 """
 import os
 import threading
+import time
 from typing import Optional
 
 import torch.distributed as dist
+
+from deepspeed_xla.comm.signals import SIGTERM_CAUSE
 
 SAVE_DIR_ENV = "DS_XLA_CHECKPOINT_ON_SIGTERM"
 _PREFIX = "deepspeed_xla/preemption/"
@@ -44,6 +49,8 @@ class CheckpointOnSigterm:
         self._lock = threading.RLock()  # the Python handler runs in the main thread, maybe inside ``step_ended``
         self._completed: Optional[int] = None  # the optimizer steps this rank has completed, once it has stepped
         self._sigterm = False  # SIGTERM came; the target is published once a step count is known
+        self._progress: Optional[float] = None  # since SIGTERM: when it came, or the last step ended after it
+        self.saving = False  # this rank reached the target step
         self.target: Optional[int] = None
         self.sigterm_rank: Optional[int] = None
 
@@ -52,6 +59,8 @@ class CheckpointOnSigterm:
         this rank's first optimizer step its count is not known: the target is published when that step starts."""
         with self._lock:
             self._sigterm = True
+            if self._progress is None:
+                self._progress = time.monotonic()
             self._publish()
 
     def _publish(self) -> None:
@@ -68,6 +77,8 @@ class CheckpointOnSigterm:
         """This rank completed its optimizer step ``completed``: whether every rank saves here."""
         with self._lock:
             self._completed = completed
+            if self._progress is not None:
+                self._progress = time.monotonic()
             self._publish()
             if self.target is None and self._store.check([_TARGET]):
                 target, rank = self._store.get(_TARGET).decode().split()
@@ -77,10 +88,22 @@ class CheckpointOnSigterm:
                                    f"SIGTERM on rank {self.sigterm_rank} asked for only after step {completed}: a "
                                    "rank ran more than one optimizer step ahead of another, without a collective "
                                    f"in between ({SAVE_DIR_ENV})")
-            return completed == self.target
+            self.saving = completed == self.target
+            return self.saving
+
+    def overdue(self, seconds: float) -> bool:
+        """SIGTERM came to this rank, and no optimizer step ended in the ``seconds`` since it or since the last one:
+        nothing brings the checkpoint step closer."""
+        with self._lock:
+            return self._progress is not None and not self.saving and time.monotonic() - self._progress > seconds
+
+    def unsaved(self, seconds: float, variable: str) -> str:
+        """Why this rank stops when ``overdue``; ``variable``: the setting of ``seconds``."""
+        return (f"rank {self.rank} {SIGTERM_CAUSE}; no optimizer step ended for {variable}={seconds:g} s after it "
+                f"(the first compilation, an evaluation, a data stall or a hang), so no checkpoint was saved "
+                f"({SAVE_DIR_ENV})")
 
     def saved(self, tag: str) -> str:
         """Why this rank stops, once the checkpoint is written."""
-        return (f"rank {self.sigterm_rank} got SIGTERM: preempted (a spot VM, a TPU maintenance event), or stopped "
-                f"by its scheduler or launcher; every rank saved checkpoint {tag} in {self.save_dir} before stopping "
-                f"({SAVE_DIR_ENV})")
+        return (f"rank {self.sigterm_rank} {SIGTERM_CAUSE}; every rank saved checkpoint {tag} in {self.save_dir} "
+                f"before stopping ({SAVE_DIR_ENV})")

@@ -58,3 +58,21 @@ def test_one_rank_refuses_the_setting(monkeypatch, tmp_path):
     monkeypatch.setenv(preemption.SAVE_DIR_ENV, str(tmp_path))
     with pytest.raises(ValueError, match=f"{preemption.SAVE_DIR_ENV} is for jobs of 2 or more ranks"):
         watchdog.start(None, 0, 1, timedelta(seconds=10))
+
+
+def test_a_sigterm_that_no_step_follows_is_overdue_after_the_bound(agreements):
+    """SIGTERM while the first step compiles, in an evaluation, a data stall or a hang: without a step nothing brings
+    the checkpoint closer, and the job must stop naming SIGTERM (the heartbeat thread asks ``overdue``)."""
+    rank0, rank1 = agreements
+    assert not rank1.overdue(0.0)  # no SIGTERM: never
+    rank1.sigterm()
+    assert not rank1.overdue(60.0)
+    assert rank1.overdue(0.0)
+    assert not rank0.overdue(0.0)  # the rank that got it is the one to stop
+    rank1.step_started(3)
+    assert not rank1.step_ended(4) and not rank1.overdue(60.0)  # a step ended: the bound starts again
+    assert rank1.step_ended(5) and rank1.saving and not rank1.overdue(0.0)  # saving: the save's own waits apply
+    assert rank1.unsaved(6.0, "DS_XLA_HEARTBEAT_TIMEOUT") == (
+        "rank 1 got SIGTERM: preempted (a spot VM, a TPU maintenance event), or stopped by its scheduler or launcher; "
+        "no optimizer step ended for DS_XLA_HEARTBEAT_TIMEOUT=6 s after it (the first compilation, an evaluation, a "
+        f"data stall or a hang), so no checkpoint was saved ({preemption.SAVE_DIR_ENV})")

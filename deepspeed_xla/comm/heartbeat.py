@@ -1,0 +1,292 @@
+"""The heartbeat thread of one rank (``Watchdog``): it finds a dead or silent rank and stops the job naming it.
+
+Every ``interval`` (a tenth of the heartbeat timeout, at most 5 s) the thread:
+- beats: increments this rank's counter in the rendezvous store;
+- watches the next rank in ring order that has not finished (so every live rank has one watcher): a counter that
+  has not moved for the heartbeat timeout, or a process gone from this host (``processes``), is a failed rank;
+- stops the job once a failure is known (``failure.FailureRecord``).
+A rank that exits normally (``os._exit(0)`` included) marks itself done; rank 0, whose process hosts the store, exits
+last. A rank that ended is a failure only for a rank that waits for it in a collective: the waiting rank's gloo op
+fails when the ended process closes its connections, and rank 0, which stays until every rank is done, sees the ranks
+that have waited for several intervals (``waiting``). An error the thread did not expect is printed once and the
+thread goes on beating: a thread that ended silently would have its healthy rank blamed by the others.
+"""
+import contextlib
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Dict, List, NoReturn, Optional
+
+import torch.distributed as dist
+
+from deepspeed_xla.comm import processes
+from deepspeed_xla.comm.failure import EXIT_CODE, TERMINATED_EXIT_CODE, FailureRecord
+from deepspeed_xla.comm.signals import SIGTERM_CAUSE
+from deepspeed_xla.comm.timeouts import HEARTBEAT_ENV
+
+PREFIX = "deepspeed_xla/watchdog/"
+WAITS_BEFORE_FAILED = 3  # intervals a rank waits for one that ended before that is a failure: more than one
+#                          interval, so a wait that just ended (its key is cleared within one) never counts
+_REPORTS = 10  # distinct unexpected errors a rank prints; more would be the same bug in other words
+
+
+class Watchdog:
+    """The heartbeat thread of one rank (see the module docstring). ``heartbeat``: the heartbeat timeout, seconds;
+    ``collective``: the collective timeout, seconds, for the errors that name it; ``checkpoint``: this rank's
+    ``preemption.CheckpointOnSigterm``, when the user asked for one."""
+
+    def __init__(self, store, rank: int, size: int, heartbeat: float, collective: float, checkpoint=None):
+        self.rank, self.size = rank, size
+        self.timeout, self.collective_timeout = heartbeat, collective
+        self.interval = min(max(heartbeat / 10, 0.05), 5.0)
+        self._store = dist.PrefixStore(PREFIX, store.clone())  # own connection: never queued behind the job's
+        self._server = store  # rank 0: keeps the store's server up after destroy_process_group()
+        self.failures = FailureRecord(self._store, rank)
+        self._stopping = threading.Event()
+        self._watched, self._count, self._since = None, None, 0.0
+        self._processes: Dict[int, Optional[processes.Registered]] = {}  # as each rank registered itself
+        self._finishing = False  # rank 0 at exit: it tells the others of a failure instead of stopping at once
+        self._waiting_since: Optional[float] = None  # set by the job's thread while it waits on peers
+        self._waits = 0  # this rank's waits so far, to tell one long wait from two
+        self._waiting_key: Optional[str] = None  # the wait published under waiting/<rank>, if any
+        self._reported: set = set()  # the unexpected errors this thread printed
+        self.pid = os.getpid()  # a forked child (a DataLoader worker) is not this rank
+        self.sigterm = None  # this rank's ``signals.Sigterm``, once installed
+        self.checkpoint = checkpoint
+        self.exit_code = EXIT_CODE  # how this rank ends when it stops for the job's failure
+        self._store.set(f"proc/{rank}", processes.registration(self.pid))
+        self._thread = threading.Thread(target=self._run, name="deepspeed_xla-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._store.add(f"beat/{self.rank}", 1)
+        self._thread.start()
+
+    # -- the thread
+    def _run(self) -> None:
+        while not self._stopping.wait(self.interval):
+            try:
+                self._store.add(f"beat/{self.rank}", 1)
+            except (RuntimeError, OSError) as exc:  # the store's process (rank 0) is gone
+                if self._stopping.is_set():
+                    return
+                failure = f"lost the rendezvous store on rank 0 ({exc}): rank 0 died or its host is unreachable"
+            else:
+                try:
+                    failure = self._check()
+                except dist.DistError:  # the store went since the beat: the next beat says so
+                    continue
+                except Exception as exc:  # noqa: BLE001  a bug or a malformed value: say so, and keep beating
+                    self._report(exc)
+                    continue
+            if self.failures.raised:
+                return
+            if failure and self._finishing:
+                self.failures.publish(failure)
+            elif failure:
+                self.stop_job(failure, self.exit_code)
+
+    def _check(self) -> Optional[str]:
+        """One interval's work after the beat: the failure found, if any."""
+        if self.sigterm is not None and self.sigterm.arrived():
+            self.terminated()
+        if self.checkpoint is not None and self.checkpoint.overdue(self.timeout):
+            self.stop_job(self.checkpoint.unsaved(self.timeout, HEARTBEAT_ENV), TERMINATED_EXIT_CODE)
+        self._publish_waiting()
+        return self.failures.published() or self._check_watched()
+
+    def _report(self, exc: Exception) -> None:
+        """Print an unexpected error of the thread, once per kind."""
+        key = f"{type(exc).__name__}: {exc}"[:300]
+        if key in self._reported or len(self._reported) >= _REPORTS:
+            return
+        self._reported.add(key)
+        sys.stderr.write(f"[deepspeed_xla] rank {self.rank}: the watchdog thread's check failed; it keeps beating, "
+                         f"but the check fails until this is fixed (a bug: please report it):\n"
+                         f"{traceback.format_exc()}")
+
+    def _check_watched(self) -> Optional[str]:
+        target = self._next_running()
+        if target is None:
+            return None
+        now = time.monotonic()
+        if target != self._watched:
+            self._watched, self._count, self._since = target, None, now
+        gone = self._local_peer_gone(target)
+        if gone:
+            return gone
+        count = self._store.add(f"beat/{target}", 0)
+        if count != self._count:
+            self._count, self._since = count, now
+        elif now - self._since > self.timeout:
+            return (f"rank {target} sent no heartbeat for {self.timeout:g} s: it died, hung, or its host is "
+                    f"unreachable ({HEARTBEAT_ENV}={self.timeout:g})")
+        return None
+
+    def _publish_waiting(self) -> None:
+        """Tell the store about a wait longer than one interval, and clear it once it ended."""
+        since = self._waiting_since
+        key = f"{self._waits}" if since is not None and time.monotonic() - since > self.interval else None
+        if key != self._waiting_key:
+            self._store.set(f"waiting/{self.rank}", key or "")
+            self._waiting_key = key
+
+    def _others(self) -> List[int]:
+        """The other ranks, in ring order from this one."""
+        return [(self.rank + offset) % self.size for offset in range(1, self.size)]
+
+    def _running(self, rank: int) -> bool:
+        return not self._store.check([f"done/{rank}"])
+
+    def _waiting_ranks(self) -> dict:
+        """Running ranks that have published a wait: rank -> which wait."""
+        ranks = {}
+        for rank in self._others():
+            if self._running(rank) and self._store.check([f"waiting/{rank}"]):
+                wait = self._store.get(f"waiting/{rank}").decode()
+                if wait:
+                    ranks[rank] = wait
+        return ranks
+
+    def busy_ranks(self) -> list:
+        """The other ranks that are running and not waiting on their peers: what a wait that timed out waited
+        for, when none of them died."""
+        waiting = self._waiting_ranks()
+        return [rank for rank in sorted(self._others()) if rank not in waiting and self._running(rank)]
+
+    def _next_running(self) -> Optional[int]:
+        """The next rank after this one, in ring order, that has not finished."""
+        return next((rank for rank in self._others() if self._running(rank)), None)
+
+    def _process(self, rank: int) -> Optional[processes.Registered]:
+        if rank not in self._processes and self._store.check([f"proc/{rank}"]):
+            value = self._store.get(f"proc/{rank}").decode(errors="replace")
+            try:
+                self._processes[rank] = processes.parse(value)
+            except ValueError:
+                self._processes[rank] = None
+                sys.stderr.write(f"[deepspeed_xla] rank {self.rank}: rank {rank} registered its process in the "
+                                 f"rendezvous store as {value[:80]!r}, which is not a pid: it is watched by its "
+                                 "heartbeat alone (a rank of another deepspeed_xla version, or another program "
+                                 "writing to the job's MASTER_PORT)\n")
+        return self._processes.get(rank)
+
+    def _local_peer_gone(self, rank: int) -> Optional[str]:
+        process = self._process(rank)
+        if process is None or not processes.ended_here(process) or self._ended(rank):
+            return None
+        return f"rank {rank} (pid {process.pid}) exited unexpectedly: killed, out of memory, or crashed"
+
+    def _local_peers_gone(self) -> Optional[str]:
+        """The first other rank gone from this host without ending, if any."""
+        return next(filter(None, map(self._local_peer_gone, sorted(self._others()))), None)
+
+    # -- shared with the job's threads
+    def published_failure(self) -> Optional[str]:
+        return self.failures.published()
+
+    def stop_job(self, failure: str, code: int = EXIT_CODE) -> NoReturn:
+        """Print the job's first failure and end this process; rank 0's process hosts the store, and stays up until
+        the others read the failure, for a few intervals."""
+        linger = (lambda: self._until_every_rank_ended(WAITS_BEFORE_FAILED * self.interval)) if self.rank == 0 else None
+        self.failures.stop(failure, code, linger)
+
+    def terminated(self) -> None:
+        """SIGTERM ends this rank as it would have, telling the peers why; unless it came because the job had
+        already failed (a launcher stops the other ranks of its host when one dies), which stays the cause. With a
+        checkpoint on SIGTERM asked for, the rank goes on to the checkpoint step instead (SIGTERMs after the first,
+        such as the launcher's own, change nothing), for at most a heartbeat timeout without a step (``_check``)."""
+        try:
+            failure = self.published_failure() or self._local_peers_gone()
+            if failure is None and self.checkpoint is not None:
+                self.checkpoint.sigterm()
+                return
+        except (RuntimeError, OSError):  # the store is gone
+            failure = None
+        self.stop_job(failure or f"rank {self.rank} {SIGTERM_CAUSE}", TERMINATED_EXIT_CODE)
+
+    def find_failure(self) -> Optional[str]:
+        """After a collective failed: the failed rank, looked for for at most one heartbeat timeout (local peers at
+        once, a silent one when the thread finds it). None sooner once every running peer has beaten since the
+        search began: then none is dead."""
+        deadline = time.monotonic() + self.timeout + 2 * self.interval
+        first = None
+        while True:
+            failure = self.published_failure() or self._local_peers_gone() or self._ended_peer()
+            if failure:
+                return failure
+            beats = {rank: self._store.add(f"beat/{rank}", 0) for rank in self._others() if self._running(rank)}
+            if first is None:
+                first = beats
+            elif all(count != first.get(rank) for rank, count in beats.items()) or time.monotonic() > deadline:
+                return None
+            time.sleep(self.interval)
+
+    def _ended_peer(self) -> Optional[str]:
+        ended = [rank for rank in sorted(self._others()) if not self._running(rank)]
+        return f"rank {ended[0]} ended while rank {self.rank} waits in a collective" if ended else None
+
+    def finish(self) -> None:
+        """At exit: mark this rank done, unless the job failed; rank 0 keeps the store up until every
+        rank is done (its thread still stops the job if one fails meanwhile), and stops the ranks that
+        wait for it in a collective meanwhile. Rank 0 ending with the job's failure (it raised) keeps the
+        store up until the others read it, for a few intervals: they poll every interval."""
+        if os.getpid() != self.pid:
+            return
+        try:
+            if self.published_failure() is None:
+                self._store.set(f"done/{self.rank}", "1")
+                if self.rank == 0:
+                    self._finishing = True
+                    self._outlive_running_ranks()
+            elif self.rank == 0:
+                self._until_every_rank_ended(WAITS_BEFORE_FAILED * self.interval)
+        except (RuntimeError, OSError):  # the store is gone: nobody is left to tell
+            pass
+        self._stopping.set()
+        self._thread.join()
+
+    def _outlive_running_ranks(self) -> None:
+        """Rank 0 at exit keeps the store up for the running ranks. One that stays in the same wait for
+        several intervals waits for this rank, which will not come: that is the job's failure."""
+        first_seen, next_scan = {}, 0.0  # (rank, wait) -> when this rank first saw it
+        while self._next_running() is not None and self.published_failure() is None:
+            now = time.monotonic()
+            if now >= next_scan:  # every rank's key: twice an interval, not at the pace of the exit check
+                next_scan = now + self.interval / 2
+                first_seen = {wait: first_seen.get(wait, now) for wait in self._waiting_ranks().items()}
+                stuck = [rank for (rank, _), since in first_seen.items()
+                         if now - since > WAITS_BEFORE_FAILED * self.interval]
+                if stuck:
+                    self.failures.publish(f"rank {self.rank} ended while rank {stuck[0]} waits in a collective")
+            time.sleep(0.05)
+        self._until_every_rank_ended(self.timeout)  # every rank reads the failure before the store goes
+
+    def _until_every_rank_ended(self, seconds: float) -> None:
+        """Rank 0: wait, at most ``seconds``, until every other rank is done, stopped or gone from this host."""
+        running = set(range(1, self.size))
+        deadline = time.monotonic() + seconds
+        while running and time.monotonic() < deadline:
+            running = {rank for rank in running if not (self._ended(rank) or self._local_peer_gone(rank))}
+            time.sleep(0.05)
+
+    def _ended(self, rank: int) -> bool:
+        """Whether ``rank`` finished, or stopped for the job's failure."""
+        return not self._running(rank) or self._store.check([f"stopped/{rank}"])
+
+    @contextlib.contextmanager
+    def waiting(self):
+        self._waits += 1
+        self._waiting_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._waiting_since = None
+
+    def exit_called(self, code: int) -> None:
+        """``os._exit(code)`` skips atexit: 0 ends this rank like a normal exit, anything else fails the job."""
+        if code == 0:
+            self.finish()
+        else:
+            self.failures.publish(f"rank {self.rank} called os._exit({code})")

@@ -1,0 +1,116 @@
+"""``comm/heartbeat.py``: the heartbeat thread against a real rendezvous store, its peers played by this test. (The
+watchdog in running jobs: tests/launched/test_faults.py.)"""
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from deepspeed_xla.comm import failure, heartbeat
+from deepspeed_xla.launch_env import free_port
+
+INTERVAL = 0.02  # the thread's pace in these tests; the heartbeat timeout stays a minute, so no peer is failed
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", free_port(), 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+
+
+@pytest.fixture
+def dogs(store, monkeypatch):
+    """Rank 0's and rank 1's watchdogs on one store, not started; stopped at the end. A stop records its code."""
+    exits = []
+    monkeypatch.setattr(failure, "_real_exit", exits.append)
+    made = [heartbeat.Watchdog(store, rank, 2, heartbeat=60.0, collective=600.0) for rank in (0, 1)]
+    for dog in made:
+        dog.interval = INTERVAL
+        dog.exits = exits
+    yield made
+    for dog in made:
+        dog._stopping.set()
+        if dog._thread.is_alive():
+            dog._thread.join()
+
+
+def _beats(dog, rank: int) -> int:
+    return dog._store.add(f"beat/{rank}", 0)
+
+
+def _until(condition, what: str, seconds: float = 30.0) -> None:
+    """Poll ``condition`` (a bound, not a pace: the test fails if it does not hold within ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(INTERVAL)
+
+
+class _Unexpected(Exception):
+    """What psutil.AccessDenied was: an error no except clause of the thread named."""
+
+
+class _FailingSigterm:
+    def arrived(self):
+        raise _Unexpected("the check broke")
+
+
+def test_an_unexpected_error_is_said_once_and_the_thread_keeps_beating(dogs, capsys):
+    """A thread that ended on an error its code did not expect stopped beating, and a peer then stopped the job
+    blaming this healthy rank."""
+    dog, _ = dogs
+    dog.sigterm = _FailingSigterm()
+    dog.start()
+    _until(lambda: _beats(dog, 0) > 10, "the thread stopped beating")
+    assert dog._thread.is_alive() and not dog.exits
+    err = capsys.readouterr().err
+    assert err.count("the watchdog thread's check failed; it keeps beating") == 1, err
+    assert "_Unexpected: the check broke" in err, err
+
+
+def test_a_malformed_registration_is_said_once_and_its_rank_is_watched_by_heartbeat(dogs, capsys):
+    dog, peer = dogs
+    dog._store.set("proc/1", "not a pid")
+    dog.start()
+    _until(lambda: _beats(dog, 0) > 10, "the thread stopped beating")
+    assert dog._thread.is_alive() and not dog.exits
+    err = capsys.readouterr().err
+    assert err.count("rank 1 registered its process in the rendezvous store as 'not a pid'") == 1, err
+    dog.timeout = 0.2  # rank 1 never beats: its heartbeat still fails it
+    _until(lambda: dog.exits, "the silent rank was not found")
+    assert "rank 0 stops: rank 1 sent no heartbeat for 0.2 s" in capsys.readouterr().err
+
+
+def test_after_a_failed_collective_live_peers_are_told_apart_in_intervals_not_the_timeout(dogs):
+    """A collective that timed out while every peer lives: the search ends once each has beaten, within a few
+    intervals, not after another heartbeat timeout (a minute here)."""
+    dog, peer = dogs
+    peer.start()
+    began = time.monotonic()
+    assert dog.find_failure() is None
+    assert time.monotonic() - began < 50 * INTERVAL
+
+
+def test_after_a_failed_collective_a_silent_peer_is_named_within_the_heartbeat_timeout(dogs):
+    dog, _ = dogs
+    dog.timeout = 1.0
+    dog.start()
+    began = time.monotonic()
+    assert dog.find_failure() == ("rank 1 sent no heartbeat for 1 s: it died, hung, or its host is unreachable "
+                                  "(DS_XLA_HEARTBEAT_TIMEOUT=1)")
+    assert time.monotonic() - began < 1.0 + 20 * INTERVAL
+
+
+def test_a_forked_child_ending_does_not_finish_the_rank(dogs):
+    """DataLoader workers are forked from a rank and end with ``os._exit``: the rank itself has not finished."""
+    dog, _ = dogs
+    dog.pid = os.getpid() + 1  # what a forked child sees: the watchdog belongs to its parent
+    dog.finish()
+    dog.exit_called(0)
+    assert not dog._store.check(["done/0"])
+
+
+def test_a_live_local_peer_is_watched_without_being_reported(dogs):
+    """Rank 1 registered this very process (same host, same PID namespace): alive, it is not reported."""
+    dog, _ = dogs
+    assert dog._local_peer_gone(1) is None and dog._local_peers_gone() is None
