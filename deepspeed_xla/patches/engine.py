@@ -281,8 +281,11 @@ def save_checkpoint(original):
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         writes_save_dir = (self.local_rank if self.use_node_local_storage() else self.global_rank) == 0
         refused = []
-        _record(refused, f"save a checkpoint in {save_dir}", "Nothing was written.", tags.check_save_dir, save_dir)
-        _raise_first_failure(refused)
+        try:
+            tags.check_save_dir(save_dir)
+        except OSError as error:
+            refused.append((error.errno, error.strerror))
+        _raise_first_failure(refused)  # before any rank writes
         if writes_save_dir:  # before upstream's first barrier: no rank writes yet
             tags.discard_unfinished(save_dir, tag)
         with self.checkpoint_engine.deferring_write_errors() as failures:
