@@ -2,7 +2,7 @@
 
 - The runner re-reads ``.deepspeed_env`` with a parser that fails on blank lines and comments, after
   deepspeed_xla already parsed it; it is pointed at a normalized copy instead, holding the runner's own value of
-  each variable (the shell's where the shell set it, as on this host), removed when the runner exits.
+  each variable (the shell's where the shell set it, as on this host), in memory only.
 - Hostfile names reach ssh (DeepSpeed's checks, pdsh) as arguments: a name starting with ``-`` would be an option.
 - pdsh: every host is checked over ssh before the launch (DeepSpeed checks the first); a host that cannot be
   reached otherwise leaves the others waiting at the rendezvous until its timeout.
@@ -26,36 +26,33 @@ SSH_CHECK_TIMEOUT = 15
 #: The variable that sets another limit, in seconds, for hosts slower to answer ssh.
 SSH_CHECK_TIMEOUT_ENV = "DS_XLA_SSH_CHECK_TIMEOUT"
 
-_ENV_FILE_NAME = ".deepspeed_env"
-
-
 @functools.lru_cache(maxsize=None)
-def _normalized_env_dir() -> str:
-    """One clean ``.deepspeed_env`` holding what every host must get, or "" if the user has none. Its folder holds
-    the file's values (tokens included) and goes when the runner exits."""
-    import atexit
-    import shutil
-    import tempfile
+def _normalized_env_file() -> str:
+    """The path of one clean ``.deepspeed_env`` holding what every host must get, or "" if the user has none.
+
+    An anonymous in-memory file (``memfd_create``, close-on-exec) that only this process can open, as
+    ``/proc/self/fd/<n>``: the file's values (tokens included) never reach a disk, and go with the runner however it
+    ends, SIGKILL included."""
     from deepspeed_xla.env_file import values_for_hosts
     values = values_for_hosts()
     if not values:
         return ""
-    folder = tempfile.mkdtemp(prefix="deepspeed_xla_env_")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    with open(os.path.join(folder, _ENV_FILE_NAME), "w") as handle:
+    fd = os.memfd_create("deepspeed_xla_env")
+    with open(fd, "w", closefd=False) as handle:
         handle.writelines(f"{key}={value}\n" for key, value in values.items())
-    return folder
+    return f"/proc/self/fd/{fd}"
 
 
 def runner_env_paths(original):
     """Multi-node runs: DeepSpeed's runner re-reads ``.deepspeed_env`` with a parser that fails on blank
     lines and comments; point it at a normalized copy of what deepspeed_xla already parsed."""
-    folder = _normalized_env_dir()
-    return [folder] if folder else original
+    path = _normalized_env_file()
+    return [os.path.dirname(path)] if path else original
 
 
 def runner_env_name(original):
-    return _ENV_FILE_NAME if _normalized_env_dir() else original
+    path = _normalized_env_file()
+    return os.path.basename(path) if path else original
 
 
 def hostfile_without_options(original):

@@ -98,14 +98,15 @@ def test_srun_gets_a_value_with_a_comma_whole_through_its_environment():
     assert "EQUALS=a=b=c" in export.split(",")
 
 
-def _deepspeed_env_folder(tmp_path, home_text: str, shell: dict) -> subprocess.CompletedProcess:
-    """A process that builds the runner's normalized ``.deepspeed_env`` from ``home_text`` and prints its folder and
-    the file's text, then exits."""
+def _runners_deepspeed_env(tmp_path, home_text: str, shell: dict) -> subprocess.CompletedProcess:
+    """A process that builds the runner's normalized ``.deepspeed_env`` from ``home_text`` and prints where DeepSpeed's
+    runner will read it and what it reads there, then exits."""
     home = tmp_path / "home"
     home.mkdir()
     (home / ".deepspeed_env").write_text(home_text)
-    code = ("import os; from deepspeed_xla.patches import launcher; folder = launcher._normalized_env_dir(); "
-            "print(folder); print(open(os.path.join(folder, '.deepspeed_env')).read(), end='')")
+    code = ("import os; from deepspeed_xla.patches import launcher; "
+            "path = os.path.join(launcher.runner_env_paths(['~', '.'])[0], launcher.runner_env_name('.deepspeed_env'));"
+            "print(path); print(open(path).read(), end='')")
     env = clean_env(HOME=str(home), TMPDIR=str(tmp_path), **shell)
     return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           check=True, timeout=120)
@@ -113,11 +114,13 @@ def _deepspeed_env_folder(tmp_path, home_text: str, shell: dict) -> subprocess.C
 
 def test_the_runners_deepspeed_env_holds_the_value_its_message_says_wins(tmp_path):
     """Every host gets the value the runner says wins (the shell's, test_env_file.py), as the runner's own host."""
-    proc = _deepspeed_env_folder(tmp_path, "TOKEN=secret\nBOTH=file\n", {"BOTH": "shell"})
+    proc = _runners_deepspeed_env(tmp_path, "TOKEN=secret\nBOTH=file\n", {"BOTH": "shell"})
     assert proc.stdout.splitlines()[1:] == ["TOKEN=secret", "BOTH=shell"]
 
 
-def test_the_runners_copy_of_the_deepspeed_env_goes_when_it_exits(tmp_path):
-    """The copy holds the file's values, tokens included: nothing of it stays in the temporary folder."""
-    folder = _deepspeed_env_folder(tmp_path, "TOKEN=secret\n", {}).stdout.splitlines()[0]
-    assert os.path.dirname(folder) == str(tmp_path) and not os.path.exists(folder)
+def test_the_runners_copy_of_the_deepspeed_env_is_never_on_disk(tmp_path):
+    """The copy holds the file's values, tokens included: in the runner's memory only, so nothing of it stays
+    behind, however the runner ends."""
+    path = _runners_deepspeed_env(tmp_path, "TOKEN=secret\n", {}).stdout.splitlines()[0]
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["home"], "a copy left in TMPDIR"
+    assert path.startswith("/proc/self/fd/")
