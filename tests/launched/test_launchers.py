@@ -11,7 +11,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import psutil
 import pytest
@@ -142,15 +142,17 @@ def test_unreachable_host_stops_the_runner_naming_it(tmp_path, sshd):
     assert "localhost:" not in error
 
 
-def _start_no_ssh_nodes(workdir: Path, env: Optional[dict] = None, steps: int = TWO_RANK_RUN["steps"]) -> tuple:
+def _start_no_ssh_nodes(workdir: Path, env: Optional[dict] = None, steps: int = TWO_RANK_RUN["steps"],
+                        node_envs: Sequence[dict] = ({}, {})) -> tuple:
     """``deepspeed --no_ssh --node_rank N`` for each host of a two-host hostfile, as a scheduler without ssh starts
-    one per node: no runner reaches the other host. Returns the nodes' processes (``kill_group`` ends each), their
-    logs, and where rank 0's JSON goes."""
+    one per node: no runner reaches the other host. ``node_envs``: what only node 0's and node 1's environment
+    hold. Returns the nodes' processes (``kill_group`` ends each), their logs, and where rank 0's JSON goes."""
     port, nodes, logs = str(free_port()), [], []
     for node in range(2):
         command = [str(VENV_BIN / "deepspeed"), "--no_ssh", "--node_rank", str(node), "--master_addr",
                    services.LOOPBACK, "--master_port", port]
-        cmd, node_env, out = _command(workdir, command, "localhost slots=1\n127.0.0.1 slots=1\n", env, steps)
+        cmd, node_env, out = _command(workdir, command, "localhost slots=1\n127.0.0.1 slots=1\n",
+                                      {**(env or {}), **node_envs[node]}, steps)
         logs.append(workdir / f"node{node}.log")
         with open(logs[-1], "w") as handle:
             nodes.append(start_command(cmd, cwd=workdir, env=node_env, stdout=handle, stderr=subprocess.STDOUT))
@@ -166,6 +168,23 @@ def test_no_ssh_nodes_match_cpu_accelerator(tmp_path, cpu_run):
             kill_group(node)
     assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
     assert_trains_like(read_results(out, 2), cpu_run, "float32")
+
+
+def test_checkpoint_on_sigterm_on_one_host_only_stops_both_at_initialize(tmp_path):
+    """Node 1 alone has ``DS_XLA_CHECKPOINT_ON_SIGTERM``: on a SIGTERM its rank would save and wait in the save's
+    collectives for a rank that never saves. Both stop at ``deepspeed.initialize``, naming the variable."""
+    nodes, logs, _ = _start_no_ssh_nodes(tmp_path, node_envs=({}, {"DS_XLA_CHECKPOINT_ON_SIGTERM": str(tmp_path)}))
+    try:
+        codes = [node.wait(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            kill_group(node)
+    outputs = [log.read_text() for log in logs]
+    assert codes[0] != 0 and codes[1] != 0, outputs
+    for output in outputs:
+        assert ('environment variable DS_XLA_CHECKPOINT_ON_SIGTERM: "set" on rank 1 (the others: "not set" on rank 0)'
+                in output), output[-6000:]
+        assert "step    0" not in output
 
 
 def test_a_rank_killed_on_one_no_ssh_node_stops_the_other_node(tmp_path):
