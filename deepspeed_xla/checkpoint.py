@@ -207,7 +207,8 @@ def _rank() -> str:
 def save(state: Any, path: str, zipfile: bool = True) -> None:
     """``torch.save(state, path)`` with XLA tensors written as CPU tensors; the file is flushed to disk. A failed write
     removes the file and names it. ``zipfile``: torch's default format, written with at most ``batch_bytes()`` of host
-    copies at once; else torch's legacy format (``_use_new_zipfile_serialization=False``), copied to the host at once."""
+    copies at once; else torch's legacy format (``_use_new_zipfile_serialization=False``), copied to the host at
+    once."""
     placeholders: List[_OnDevice] = []
     try:
         handle = _File(path)

@@ -2,18 +2,19 @@
 
 The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
 the XLA accelerator is DeepSpeed's. ``tests/patches/test_table.py`` fails when an upstream target changes.
-The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine``, ``zero``, ``precision``,
-``grad_checks``, ``config``, ``compiler``, ``launcher``, ``comm``, ``tensor_parallel``, and the two places where the
-Hugging Face stack runs DeepSpeed (``accelerate``, ``trainer``); ``registry`` defines ``Patch`` and how a patch is
-checked and applied. Their figures: (docs/performance.md, 'Why the patches exist'). One change is not in the table
-because it must come before its target's import: ``stablehlo`` (torch_xla's exporter, loaded at first use).
+The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine`` (its checkpoints: ``checkpoints``),
+``zero``, ``precision``, ``grad_checks``, ``config``, ``compiler``, ``launcher``, ``comm``, ``tensor_parallel``, and the
+two places where the Hugging Face stack runs DeepSpeed (``accelerate``, ``trainer``); ``registry`` defines ``Patch``
+and how a patch is checked and applied. Their figures: (docs/performance.md, 'Why the patches exist'). One change is
+not in the table because it must come before its target's import: ``stablehlo`` (torch_xla's exporter, loaded at
+first use).
 """
 import warnings
 from importlib import metadata
 
 from deepspeed_xla.devices import wants_xla
-from deepspeed_xla.patches import (accelerate, comm, compiler, config, engine, grad_checks, launcher, precision,
-                                  tensor_parallel, trainer, zero)
+from deepspeed_xla.patches import (accelerate, checkpoints, comm, compiler, config, engine, grad_checks, launcher,
+                                  precision, tensor_parallel, trainer, zero)
 # WRITTEN_FOR, VERSIONS, Patch, is_applied, source_digest and upstream_digest are this package's API too.
 from deepspeed_xla.patches.registry import (VERSIONS, WRITTEN_FOR, Patch, _apply, is_applied, source_digest,
                                             upstream_digest)
@@ -100,20 +101,20 @@ PATCHES = [
     # After sync_after, which it wraps: the save reads the state of a step whose graph was cut.
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", engine.checkpoint_on_sigterm,
           "c4c6e01aa1fc4e7d"),
-    Patch("deepspeed.runtime.engine", "", "create_checkpoint_engine", engine.create_checkpoint_engine,
+    Patch("deepspeed.runtime.engine", "", "create_checkpoint_engine", checkpoints.create_checkpoint_engine,
           "1adbe5fc9cc0c1d1"),
-    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "save_checkpoint", engine.save_checkpoint,
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "save_checkpoint", checkpoints.save_checkpoint,
           "c92409217281487c"),
-    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_copy_recovery_script", engine.copy_recovery_script,
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_copy_recovery_script", checkpoints.copy_recovery_script,
           "4bfd767dbf04240b"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_get_shared_params", engine.get_shared_params,
           "7ca3cfe76bcd4439"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "load_checkpoint", engine.sync_after, "5728d3dfa42a3d6c"),
-    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_load_zero_checkpoint", engine.zero_checkpoint_world_size,
-          "0084918407ff3784"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_load_zero_checkpoint",
+          checkpoints.zero_checkpoint_world_size, "0084918407ff3784"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_with_arguments", engine.ranks_agree,
           "33679f399d8eb304"),
-    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_load_checkpoint", engine.zero_stage_of_checkpoint,
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_load_checkpoint", checkpoints.zero_stage_of_checkpoint,
           "e8ba4301fc3bad2c", reads=("_load_checkpoint", "_get_ckpt_name")),
     Patch("deepspeed.runtime.config", "DeepSpeedConfig", "_configure_train_batch_size",
           config.configure_train_batch_size, "5d0a45deff9d4487"),

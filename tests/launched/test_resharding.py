@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deepspeed_xla.patches import engine
+from deepspeed_xla.patches import checkpoints
 from tests.conftest import FIXTURES, clean_env
 from tests.multiproc import (LOSS_TOLERANCE, TWO_RANK_RUN, assert_trains_like, ds_config, plan, run_command,
                              training, training_command, within)
@@ -123,7 +123,7 @@ STAGE_PAIRS = {(saved_stage, stage, states): (saved_stage == 3) == (stage == 3) 
 
 @pytest.mark.parametrize("saved_stage, stage, states", STAGE_PAIRS, ids=str)
 def test_stage_changes_deepspeed_cannot_load_name_both_stages_and_the_way_out(saved_stage, stage, states):
-    problem = engine._stage_change_problem("ckpt", "global_step3", saved_stage, stage, states)
+    problem = checkpoints._stage_change_problem("ckpt", "global_step3", saved_stage, stage, states)
     if STAGE_PAIRS[saved_stage, stage, states]:
         assert problem is None
         return
