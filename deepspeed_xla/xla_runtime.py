@@ -90,6 +90,17 @@ def device(index: int = 0):
     return torch.device("xla", index)
 
 
+def current_device():
+    """The device this thread drives (``xla:0`` in a process per device; each thread's own where one process runs
+    a thread per device, as torch_xla does for PJRT CPU devices)."""
+    return torch_xla().device()
+
+
+def is_pending(tensor) -> bool:
+    """Whether an XLA tensor's value is still an unexecuted graph (it has no device buffer yet)."""
+    return bool(torch_xla()._XLAC._check_tensor_need_materialization([tensor])[0])
+
+
 class DeviceOutOfMemory(RuntimeError):
     """An execution (or its compilation) needed more device memory than there is."""
 

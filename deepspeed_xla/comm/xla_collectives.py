@@ -4,16 +4,24 @@ Used where XLA itself connects the processes (TPU). Upstream ``ProcessGroupXla``
 - ``barrier`` does nothing, but DeepSpeed orders checkpoint I/O with barriers;
 - CPU tensors are rejected, but torch.distributed's object collectives (checkpoint tags,
   ``broadcast_object_list``) use CPU tensors for this group;
-- ``allreduce_coalesced`` raises, and ``alltoall_base`` ignores split sizes and the group.
+- ``reduce``, ``gather``, ``scatter`` and the list ``alltoall`` are blind to the group: they reduce or
+  exchange over the whole world and compare the global ordinal with the group's root (ZeRO-2 reduces each
+  gradient slice to its owner in its data-parallel group), and ``reduce`` and ``gather`` cut the graph after
+  every tensor so that the non-roots, which drop the result, still run the collective;
+- ``allreduce_coalesced`` raises, ``AVG`` is refused, ``allgather_coalesced`` fills torch's layout
+  transposed, and ``alltoall_base`` ignores split sizes and the group;
 - ``send``/``recv`` compile a pairwise ``collective_permute`` that only the two peers run, and a
   subgroup's collectives use the group alone as XLA replica groups; XLA on TPU needs replica groups
   that tile the whole world (pytorch/xla#8271).
-This subclass fixes exactly those and leaves every other op to torch_xla. Point-to-point transfers
-(DeepSpeed's pipeline activations and gradients) and subgroups that cannot tile the world go through
-host memory over gloo (``host_staged``); subgroups that do tile it — DeepSpeed's data, pipe and model
-groups — run XLA collectives with the full tiling as replica groups.
+This subclass fixes those and leaves the rest (``allgather``, ``_allgather_base``) to torch_xla. A
+collective issues one XLA collective and cuts no graph: a root is told apart by a device boolean, so every
+member compiles the same graph, and a result a member drops is held until its graph has run (``_keep``).
+Point-to-point transfers (DeepSpeed's pipeline activations and gradients) and subgroups that cannot tile
+the world go through host memory over gloo (``host_staged``); subgroups that do tile it — DeepSpeed's data,
+pipe, model and expert groups — run XLA collectives with the full tiling as replica groups.
+``tests/comm/test_xla_collectives_devices.py`` runs every op across 2 and 4 XLA devices.
 """
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,7 +48,8 @@ def unpad_chunks(stacked: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
 
 
 def tiling_mesh(ranks: Sequence[int], world_size: int) -> Optional[List[List[int]]]:
-    """The world split into translates of ``ranks`` (how DeepSpeed's topology groups tile it), or None.
+    """The world split into translates of ``ranks`` (how DeepSpeed's topology groups tile it), one of them
+    ``ranks`` itself, or None.
 
     XLA replica groups must cover every device once; torch_xla infers them only for 2-d layouts.
     """
@@ -55,7 +64,7 @@ def tiling_mesh(ranks: Sequence[int], world_size: int) -> Optional[List[List[int
             return None
         covered.update(group)
         mesh.append(group)
-    return mesh
+    return mesh if ranks in mesh else None  # [1, 2] of 4: translates of it cannot start at rank 0
 
 
 # Ops a subgroup that cannot tile the world runs through host memory instead of XLA.
@@ -111,7 +120,34 @@ def make_process_group_class():
             return self._host.recv_anysource(tensors, tag)
 
         def _device(self):
-            return xla_runtime.device()
+            return xla_runtime.current_device()
+
+        def _is_member(self, group_rank: int, like: torch.Tensor) -> torch.Tensor:
+            """A device boolean, true on the member ``group_rank``: the members differ in data, not in their graph.
+
+            Kept per root and device, so only a group's first call with a root uploads it."""
+            masks = self.__dict__.setdefault("_member_masks", {})
+            key = (group_rank, str(like.device))
+            if key not in masks:
+                masks[key] = torch.tensor(self.rank() == group_rank).to(like.device)
+            return masks[key]
+
+        def _keep(self, result: torch.Tensor) -> None:
+            """Hold one element of a collective's result until the graph computing it has run.
+
+            A member that drops the result (the non-roots of reduce and gather, a caller's temporary bucket) would
+            leave the collective out of its graph, and the members that kept theirs would wait for it for ever;
+            torch_xla's reduce and gather cut the graph after each tensor instead."""
+            kept = [t for t in self.__dict__.get("_kept", []) if xla_runtime.is_pending(t)]
+            if result.numel():
+                kept.append(result.detach().reshape(-1)[:1])
+            self.__dict__["_kept"] = kept
+
+        def _reduction(self, op) -> Tuple[str, float]:
+            """XLA's reduce type and scale for a torch ReduceOp (AVG: a sum scaled by 1/size)."""
+            if op == dist.ReduceOp.AVG:
+                return xla_runtime.xm().REDUCE_SUM, 1.0 / self.size()
+            return self._get_reduce_type(op), 1.0
 
         def _via_device(self, tensors: List[torch.Tensor], op: Callable[[List[torch.Tensor]], object]):
             """Run ``op`` on device copies of CPU tensors and copy the results back."""
@@ -125,10 +161,100 @@ def make_process_group_class():
             return _done(tensors)
 
         def allreduce(self, tensors, opts):
-            return self._via_device(tensors, lambda ts: super(DeepSpeedXlaProcessGroup, self).allreduce(ts, opts))
+            kind, scale = self._reduction(opts.reduceOp)
+
+            def op(staged):
+                xla_runtime.xm().all_reduce(kind, staged, scale=scale, groups=self._mesh, pin_layout=False)
+                return _done(staged)
+
+            return self._via_device(tensors, op)
+
+        def allreduce_coalesced(self, tensors, opts):
+            """One all-reduce of every tensor (XLA reduces a tuple in one collective)."""
+            all_opts = dist.AllreduceOptions()
+            all_opts.reduceOp = opts.reduceOp
+            return self.allreduce(tensors, all_opts)
 
         def broadcast(self, tensors, opts):
-            return self._via_device(tensors, lambda ts: super(DeepSpeedXlaProcessGroup, self).broadcast(ts, opts))
+            """The root's data and zeros from every other member, summed over the group: torch_xla's version maps
+            the root through torch's group registry, multiplies the others' data by 0 (NaN stays NaN) and uploads
+            the root flag on every call."""
+
+            def op(staged):
+                target = staged[opts.rootTensor]
+                source = torch.where(self._is_member(opts.rootRank, target), target, torch.zeros_like(target))
+                kind = xla_runtime.xm().REDUCE_OR if target.dtype == torch.bool else xla_runtime.xm().REDUCE_SUM
+                with torch.no_grad():
+                    target.copy_(xla_runtime.xm().all_reduce(kind, source, groups=self._mesh, pin_layout=False))
+                return _done(staged)
+
+            return self._via_device(tensors, op)
+
+        def reduce(self, tensors, opts):
+            """An all-reduce over the group; the root takes the result, the others keep their tensor."""
+            kind, scale = self._reduction(opts.reduceOp)
+
+            def op(staged):
+                for tensor in staged:
+                    result = xla_runtime.xm().all_reduce(kind, tensor, scale=scale, groups=self._mesh,
+                                                         pin_layout=False)
+                    with torch.no_grad():
+                        tensor.copy_(torch.where(self._is_member(opts.rootRank, tensor), result, tensor))
+                    self._keep(result)
+                return _done(staged)
+
+            return self._via_device(tensors, op)
+
+        def gather(self, output_tensors_list, input_tensors, opts):
+            """An all-gather over the group; only the root copies it out (its output list is the only one)."""
+            outputs = [t for outputs in output_tensors_list for t in outputs]
+
+            def op(staged):
+                staged_inputs, it = staged[:len(input_tensors)], iter(staged[len(input_tensors):])
+                for index, tensor in enumerate(staged_inputs):
+                    gathered = xla_runtime.xm().all_gather(tensor.reshape(1, -1), 0, groups=self._mesh,
+                                                           pin_layout=False)
+                    self._keep(gathered)
+                    targets = output_tensors_list[index] if output_tensors_list else []
+                    with torch.no_grad():
+                        for row, _ in zip(gathered, targets):
+                            target = next(it)
+                            target.copy_(row.reshape(target.shape))
+                return _done(staged)
+
+            return self._via_device(list(input_tensors) + outputs, op)
+
+        def scatter(self, output_tensors, input_tensors_list, opts):
+            """A sum-reduce-scatter of the root's pieces and zeros from every other member."""
+            inputs = [t for pieces in input_tensors_list for t in pieces]
+            kind = xla_runtime.xm().REDUCE_SUM
+
+            def op(staged):
+                staged_outputs, it = staged[:len(output_tensors)], iter(staged[len(output_tensors):])
+                for target, pieces in zip(staged_outputs, input_tensors_list or [[]] * len(output_tensors)):
+                    pieces = [next(it).reshape(-1) for _ in pieces]
+                    source = torch.cat(pieces) if pieces else target.new_zeros(self.size() * target.numel())
+                    chunk = xla_runtime.xm().reduce_scatter(kind, source, 1.0, 0, self.size(), groups=self._mesh,
+                                                            pin_layout=False)
+                    with torch.no_grad():
+                        target.copy_(chunk.reshape(target.shape))
+                return _done(staged)
+
+            return self._via_device(list(output_tensors) + inputs, op)
+
+        def _reduce_scatter_base(self, output, input, opts):
+            """``input`` holds the members' pieces one after another (concatenated or stacked on dim 0)."""
+            kind, scale = self._reduction(opts.reduceOp)
+            chunk = xla_runtime.xm().reduce_scatter(kind, input.reshape(-1), scale, 0, self.size(),
+                                                    groups=self._mesh, pin_layout=False)
+            with torch.no_grad():
+                output.copy_(chunk.reshape(output.shape))
+            return _done([output])
+
+        def reduce_scatter(self, output_tensors, input_tensors_list, opts):
+            for output, pieces in zip(output_tensors, input_tensors_list):
+                self._reduce_scatter_base(output, torch.cat([t.reshape(-1) for t in pieces]), opts)
+            return _done(output_tensors)
 
         def allgather(self, output_lists, inputs, opts=None):
             flat = [t for outputs in output_lists for t in outputs]
@@ -141,12 +267,16 @@ def make_process_group_class():
 
             return self._via_device(list(inputs) + flat, op)
 
-        def allreduce_coalesced(self, tensors, opts):
-            all_opts = dist.AllreduceOptions()
-            all_opts.reduceOp = opts.reduceOp
-            for tensor in tensors:
-                self.allreduce([tensor], all_opts)
-            return _done(tensors)
+        def allgather_coalesced(self, output_lists, inputs, opts=None):
+            """One all-gather of every input; ``output_lists[member]`` takes each input of that member (torch's
+            layout: torch_xla's version fills it transposed)."""
+            gathered = xla_runtime.xm().all_gather([t.reshape(-1) for t in inputs], 0, groups=self._mesh,
+                                                   pin_layout=False)
+            with torch.no_grad():
+                for index, (tensor, result) in enumerate(zip(inputs, gathered)):
+                    for outputs, piece in zip(output_lists, result.split(tensor.numel())):
+                        outputs[index].copy_(piece.reshape(outputs[index].shape))
+            return _done([t for outputs in output_lists for t in outputs])
 
         def barrier(self, opts=None):
             """A real barrier: every member contributes to a reduction whose value this process reads."""
@@ -155,6 +285,19 @@ def make_process_group_class():
             with watchdog.waiting():
                 token.cpu()
             return _done([])
+
+        def alltoall(self, output_tensors, input_tensors, opts):
+            """torch's list form as one exchange of the flattened pieces (torch_xla's used the whole world)."""
+            in_splits = [t.numel() for t in input_tensors]
+            out_splits = [t.numel() for t in output_tensors]
+            even = len(set(in_splits + out_splits)) == 1
+            received = input_tensors[0].new_empty(sum(out_splits))
+            self.alltoall_base(received, torch.cat([t.reshape(-1) for t in input_tensors]),
+                               [] if even else out_splits, [] if even else in_splits, opts)
+            with torch.no_grad():
+                for target, piece in zip(output_tensors, received.split(out_splits)):
+                    target.copy_(piece.reshape(target.shape))
+            return _done(output_tensors)
 
         def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
             """All-to-all with uneven splits: pad to the largest split any member sends, exchange, unpad. Without

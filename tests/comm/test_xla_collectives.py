@@ -1,7 +1,8 @@
-"""The ``xla_ds`` backend (TPU): the pieces PJRT CPU can run.
+"""The ``xla_ds`` backend (TPU): its pieces, and ranks as processes.
 
-PJRT CPU has no cross-process XLA collectives, so the multi-rank behaviour of this backend is only
-exercised on TPU. Here: the uneven all-to-all padding round trip; the replica groups given to XLA for
+PJRT CPU has no cross-process XLA collectives: the collectives across devices run in
+``test_xla_collectives_devices.py`` (a thread per device of one process). Here: the uneven all-to-all padding
+round trip; the replica groups given to XLA for
 DeepSpeed's topology groups, against torch_xla's own inference and DeepSpeed's own group lists; a
 1-rank world on a real XLA device running every overridden op (object collectives on CPU tensors,
 barrier, coalesced all-reduce, all-to-all with split sizes); and 4 ranks running what never uses XLA
@@ -95,6 +96,10 @@ def test_a_group_given_out_of_order_tiles_in_the_order_torch_ranks_it():
 def test_groups_that_cannot_tile_the_world_are_refused():
     assert tiling_mesh([0, 3], 4) is None  # first and last of 4 pipeline stages (tied weights)
     assert tiling_mesh([0, 1], 3) is None
+    # translates that start at rank 0 would not hold the group itself
+    assert tiling_mesh([1, 2], 4) is None
+    assert tiling_mesh([3, 4], 8) is None
+    assert tiling_mesh([1, 2, 3], 6) is None
 
 
 def four_rank_main() -> None:
