@@ -60,7 +60,7 @@ class _Runtime:
         self.lock, self.build_lock = threading.RLock(), threading.Lock()
         self.store = dist.HashStore()
         self.local = threading.local()
-        self.meeting = threading.Barrier(world)
+        self.meetings: Dict[tuple, threading.Barrier] = {}
         from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
         self.group_class = xla_collectives.make_process_group_class()
@@ -103,11 +103,15 @@ class _Runtime:
         for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute"):
             setattr(xm, name, self._recorded(getattr(xm, name)))
 
-    def _all_meet(self) -> None:
-        """Wait for every other thread: each replica of the world runs every XLA collective (a subgroup's replica
-        groups tile the world), and XLA:CPU aborts the process when they arrive more than 10 s apart, which a busy
-        machine's compilations alone can cause."""
-        self.meeting.wait()
+    def _members_meet(self, groups: List[List[int]]) -> None:
+        """Wait for the other members of this thread's replica group (all of them: ``groups`` empty). XLA:CPU
+        aborts the process when a collective's members arrive more than 10 s apart, which a busy machine's
+        compilations alone can cause."""
+        ordinal = self.torch_xla.runtime.global_ordinal()
+        members = tuple(next((group for group in groups if ordinal in group), range(self.world)))
+        with self.build_lock:
+            barrier = self.meetings.setdefault(members, threading.Barrier(len(members)))
+        barrier.wait()
 
     def _recorded(self, collective: Callable) -> Callable:
         runtime = self
@@ -120,7 +124,7 @@ class _Runtime:
             hlo = runtime.torch_xla._XLAC._get_xla_tensors_hlo([t for t in outputs if t.device.type == "xla"])
             runtime.local.collectives = getattr(runtime.local, "collectives", []) + collectives_in(hlo)[-1:]
             if runtime.isolate:
-                runtime._all_meet()
+                runtime._members_meet(kwargs.get("groups") or [])
                 runtime.cut()
             return result
 
