@@ -7,31 +7,53 @@ import sys
 import threading
 from typing import Callable, NoReturn, Optional
 
+from deepspeed_xla.comm.authentication import Signer
+
 EXIT_CODE = 1
 TERMINATED_EXIT_CODE = 128 + signal.SIGTERM  # how a shell reports a process that SIGTERM stopped
 FAILED = "failed"
+ENDED = "ended"  # how many ranks other than 0 have finished or stopped: what rank 0 reads at exit, in one operation
+LONGEST = 1000  # characters of a failure that a rank prints: whoever reaches the store may write the key
 
 _real_exit = os._exit  # before the watchdog replaces os._exit
 
 
-class FailureRecord:
-    """One rank's side of the record, on the watchdog's connection to the store (a ``PrefixStore``)."""
+def printable(text: str) -> str:
+    """A failure read from the store, as one line a terminal shows as it is: control characters (escape sequences,
+    line breaks that would forge other lines) escaped, at most ``LONGEST`` characters."""
+    text = "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+    return text if len(text) <= LONGEST else text[:LONGEST] + f"... ({len(text) - LONGEST} more characters)"
 
-    def __init__(self, store, rank: int):
+
+class FailureRecord:
+    """One rank's side of the record, on the watchdog's connection to the store (a ``PrefixStore``); ``signer``: this
+    rank's ``authentication.Signer``."""
+
+    def __init__(self, store, rank: int, signer: Optional[Signer] = None):
         self.rank, self._store = rank, store
+        self._signer = signer or Signer(rank)
         self.raised = False  # this rank is ending with an uncaught exception (its traceback says why)
         self._stopped_by: Optional[int] = None  # the thread that stops this rank, once one does
         self._stop_lock = threading.RLock()  # re-entered by a signal handler on the main thread
         self.process_ends = threading.Event()  # what a second stop waits on: the first one ends the process
 
+    def mark_ended(self, how: str) -> None:
+        """This rank is ``done`` (finished) or ``stopped`` (for the job's failure): once per rank."""
+        self._store.set(f"{how}/{self.rank}", "1")
+        if self.rank != 0:
+            self._store.add(ENDED, 1)
+
     def published(self) -> Optional[str]:
         if self._store.check([FAILED]):
-            return self._store.get(FAILED).decode()
+            text = self._signer.verify(FAILED, self._store.get(FAILED))
+            return None if text is None else printable(text)
         return None
 
     def publish(self, failure: str) -> str:
-        """Record ``failure`` unless another is recorded already; returns the recorded one."""
-        return self._store.compare_set(FAILED, "", failure).decode()
+        """Record ``failure`` unless another is recorded already; returns the recorded one (``failure`` when what
+        holds the key is not the job's)."""
+        text = self._signer.verify(FAILED, self._store.compare_set(FAILED, "", self._signer.sign(FAILED, failure)))
+        return printable(failure if text is None else text)
 
     def publish_exception(self, kind: type, value: BaseException) -> None:
         """An uncaught exception ends this rank: it is the job's failure, unless another came first
@@ -58,7 +80,7 @@ class FailureRecord:
             return  # type: ignore[return-value]
         try:
             failure = self.publish(failure)
-            self._store.set(f"stopped/{self.rank}", "1")
+            self.mark_ended("stopped")
         except (RuntimeError, OSError):  # the store is gone: report what this rank saw
             pass
         sys.stderr.write(f"[deepspeed_xla] rank {self.rank} stops: {failure}\n")

@@ -22,7 +22,8 @@ from typing import Dict, List, NoReturn, Optional
 import torch.distributed as dist
 
 from deepspeed_xla.comm import processes
-from deepspeed_xla.comm.failure import EXIT_CODE, TERMINATED_EXIT_CODE, FailureRecord
+from deepspeed_xla.comm.authentication import Signer
+from deepspeed_xla.comm.failure import ENDED, EXIT_CODE, TERMINATED_EXIT_CODE, FailureRecord
 from deepspeed_xla.comm.signals import SIGTERM_CAUSE
 from deepspeed_xla.comm.timeouts import HEARTBEAT_ENV
 
@@ -34,16 +35,19 @@ _REPORTS = 10  # distinct unexpected errors a rank prints; more would be the sam
 
 class Watchdog:
     """The heartbeat thread of one rank (see the module docstring). ``heartbeat``: the heartbeat timeout, seconds;
-    ``collective``: the collective timeout, seconds, for the errors that name it; ``checkpoint``: this rank's
-    ``preemption.CheckpointOnSigterm``, when the user asked for one."""
+    ``collective``: the collective timeout, seconds, for the errors that name it. ``connection``: this rank's one
+    connection to the store for its control code (the preemption agreement's too, ``checkpoint``), never queued
+    behind the job's, whose gloo rendezvous blocks in waits: rank 0 serves two connections per rank."""
 
-    def __init__(self, store, rank: int, size: int, heartbeat: float, collective: float, checkpoint=None):
+    def __init__(self, store, rank: int, size: int, heartbeat: float, collective: float):
         self.rank, self.size = rank, size
         self.timeout, self.collective_timeout = heartbeat, collective
         self.interval = min(max(heartbeat / 10, 0.05), 5.0)
-        self._store = dist.PrefixStore(PREFIX, store.clone())  # own connection: never queued behind the job's
+        self.connection = store.clone()
+        self._store = dist.PrefixStore(PREFIX, self.connection)
         self._server = store  # rank 0: keeps the store's server up after destroy_process_group()
-        self.failures = FailureRecord(self._store, rank)
+        self.signer = Signer(rank)  # the job's secret, if it has one: the store is open to whoever reaches it
+        self.failures = FailureRecord(self._store, rank, self.signer)
         self._stopping = threading.Event()
         self._watched, self._count, self._since = None, None, 0.0
         self._processes: Dict[int, Optional[processes.Registered]] = {}  # as each rank registered itself
@@ -54,9 +58,10 @@ class Watchdog:
         self._reported: set = set()  # the unexpected errors this thread printed
         self.pid = os.getpid()  # a forked child (a DataLoader worker) is not this rank
         self.sigterm = None  # this rank's ``signals.Sigterm``, once installed
-        self.checkpoint = checkpoint
+        self.checkpoint = None  # this rank's ``preemption.CheckpointOnSigterm``, when the user asked for one
         self.exit_code = EXIT_CODE  # how this rank ends when it stops for the job's failure
-        self._store.set(f"proc/{rank}", processes.registration(self.pid))
+        self._store.set(f"proc/{rank}", self.signer.sign(f"proc/{rank}", processes.registration(self.pid)))
+        self._store.set(f"waiting/{rank}", "")  # every rank's key exists: rank 0 reads them all at once
         self._thread = threading.Thread(target=self._run, name="deepspeed_xla-watchdog", daemon=True)
 
     def start(self) -> None:
@@ -140,14 +145,14 @@ class Watchdog:
         return not self._store.check([f"done/{rank}"])
 
     def _waiting_ranks(self) -> dict:
-        """Running ranks that have published a wait: rank -> which wait."""
-        ranks = {}
-        for rank in self._others():
-            if self._running(rank) and self._store.check([f"waiting/{rank}"]):
-                wait = self._store.get(f"waiting/{rank}").decode()
-                if wait:
-                    ranks[rank] = wait
-        return ranks
+        """Running ranks that have published a wait: rank -> which wait (every rank's key in one read)."""
+        others = self._others()
+        keys = [f"waiting/{rank}" for rank in others]
+        if self._store.check(keys):
+            waits = [wait.decode() for wait in self._store.multi_get(keys)]
+        else:  # a rank that has not registered yet: reading its key would wait for it
+            waits = [self._store.get(key).decode() if self._store.check([key]) else "" for key in keys]
+        return {rank: wait for rank, wait in zip(others, waits) if wait and self._running(rank)}
 
     def busy_ranks(self) -> list:
         """The other ranks that are running and not waiting on their peers: what a wait that timed out waited
@@ -160,14 +165,16 @@ class Watchdog:
         return next((rank for rank in self._others() if self._running(rank)), None)
 
     def _process(self, rank: int) -> Optional[processes.Registered]:
-        if rank not in self._processes and self._store.check([f"proc/{rank}"]):
-            value = self._store.get(f"proc/{rank}").decode(errors="replace")
+        key = f"proc/{rank}"
+        if rank not in self._processes and self._store.check([key]):
+            value = self._store.get(key)
+            text = self.signer.verify(key, value)
             try:
-                self._processes[rank] = processes.parse(value)
+                self._processes[rank] = None if text is None else processes.parse(text)
             except ValueError:
                 self._processes[rank] = None
                 sys.stderr.write(f"[deepspeed_xla] rank {self.rank}: rank {rank} registered its process in the "
-                                 f"rendezvous store as {value[:80]!r}, which is not a pid: it is watched by its "
+                                 f"rendezvous store as {text[:80]!r}, which is not a pid: it is watched by its "
                                  "heartbeat alone (a rank of another deepspeed_xla version, or another program "
                                  "writing to the job's MASTER_PORT)\n")
         return self._processes.get(rank)
@@ -210,7 +217,7 @@ class Watchdog:
         """After a collective failed: the failed rank, looked for for at most one heartbeat timeout (local peers at
         once, a silent one when the thread finds it). None sooner once every running peer has beaten since the
         search began: then none is dead."""
-        deadline = time.monotonic() + self.timeout + 2 * self.interval
+        deadline = time.monotonic() + self.timeout + 3 * self.interval  # the thread's pace, and some slack
         first = None
         while True:
             failure = self.published_failure() or self._local_peers_gone() or self._ended_peer()
@@ -236,7 +243,7 @@ class Watchdog:
             return
         try:
             if self.published_failure() is None:
-                self._store.set(f"done/{self.rank}", "1")
+                self.failures.mark_ended("done")
                 if self.rank == 0:
                     self._finishing = True
                     self._outlive_running_ranks()
@@ -251,7 +258,7 @@ class Watchdog:
         """Rank 0 at exit keeps the store up for the running ranks. One that stays in the same wait for
         several intervals waits for this rank, which will not come: that is the job's failure."""
         first_seen, next_scan = {}, 0.0  # (rank, wait) -> when this rank first saw it
-        while self._next_running() is not None and self.published_failure() is None:
+        while self._others_ended() < self.size - 1 and self.published_failure() is None:
             now = time.monotonic()
             if now >= next_scan:  # every rank's key: twice an interval, not at the pace of the exit check
                 next_scan = now + self.interval / 2
@@ -263,12 +270,20 @@ class Watchdog:
             time.sleep(0.05)
         self._until_every_rank_ended(self.timeout)  # every rank reads the failure before the store goes
 
+    def _others_ended(self) -> int:
+        """Rank 0: how many other ranks finished or stopped (one read, whatever the job's size)."""
+        return self._store.add(ENDED, 0)
+
     def _until_every_rank_ended(self, seconds: float) -> None:
-        """Rank 0: wait, at most ``seconds``, until every other rank is done, stopped or gone from this host."""
-        running = set(range(1, self.size))
+        """Rank 0: wait, at most ``seconds``, until every other rank is done, stopped or gone from this host. The
+        count is one read; the ranks of this host that ended without a word (killed) are looked for by pid."""
+        local = [rank for rank in range(1, self.size)
+                 if (process := self._process(rank)) is not None and process.namespace == processes.pid_namespace()]
         deadline = time.monotonic() + seconds
-        while running and time.monotonic() < deadline:
-            running = {rank for rank in running if not (self._ended(rank) or self._local_peer_gone(rank))}
+        while time.monotonic() < deadline:
+            silent = [rank for rank in local if self._local_peer_gone(rank)]  # gone, and neither done nor stopped
+            if self._others_ended() + len(silent) >= self.size - 1:
+                return
             time.sleep(0.05)
 
     def _ended(self, rank: int) -> bool:

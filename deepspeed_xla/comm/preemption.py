@@ -13,12 +13,14 @@ first step compiles, in an evaluation, a data stall or a hang) stops the job wit
 the scheduler's SIGKILL would come anyway, and the peers must learn why.
 """
 import os
+import sys
 import threading
 import time
 from typing import Optional
 
 import torch.distributed as dist
 
+from deepspeed_xla.comm.authentication import Signer
 from deepspeed_xla.comm.signals import SIGTERM_CAUSE
 
 SAVE_DIR_ENV = "DS_XLA_CHECKPOINT_ON_SIGTERM"
@@ -43,14 +45,18 @@ def save_dir_setting() -> Optional[str]:
 class CheckpointOnSigterm:
     """One rank's side of the agreement (see the module docstring)."""
 
-    def __init__(self, store, rank: int, save_dir: str):
+    def __init__(self, store, rank: int, save_dir: str, signer: Optional[Signer] = None):
+        """``store``: the watchdog's connection (its ops are short, never a blocking wait, and the main thread reads
+        it at each step's end); ``signer``: the watchdog's ``authentication.Signer``."""
         self.rank, self.save_dir = rank, save_dir
-        self._store = dist.PrefixStore(_PREFIX, store.clone())  # own connection: the main thread reads it each step
+        self._store = dist.PrefixStore(_PREFIX, store)
+        self._signer = signer or Signer(rank)
         self._lock = threading.RLock()  # the Python handler runs in the main thread, maybe inside ``step_ended``
         self._completed: Optional[int] = None  # the optimizer steps this rank has completed, once it has stepped
         self._sigterm = False  # SIGTERM came; the target is published once a step count is known
         self._progress: Optional[float] = None  # since SIGTERM: when it came, or the last step ended after it
         self.saving = False  # this rank reached the target step
+        self._malformed = False  # a target that no rank wrote was read (and said) already
         self.target: Optional[int] = None
         self.sigterm_rank: Optional[int] = None
 
@@ -65,7 +71,7 @@ class CheckpointOnSigterm:
 
     def _publish(self) -> None:
         if self._sigterm and self._completed is not None and self.target is None:
-            self._store.compare_set(_TARGET, "", f"{self._completed + 2} {self.rank}")
+            self._store.compare_set(_TARGET, "", self._signer.sign(_TARGET, f"{self._completed + 2} {self.rank}"))
 
     def step_started(self, completed: int) -> None:
         """This rank starts an optimizer step, ``completed`` steps done."""
@@ -81,8 +87,7 @@ class CheckpointOnSigterm:
                 self._progress = time.monotonic()
             self._publish()
             if self.target is None and self._store.check([_TARGET]):
-                target, rank = self._store.get(_TARGET).decode().split()
-                self.target, self.sigterm_rank = int(target), int(rank)
+                self._read_target()
             if self.target is not None and completed > self.target:
                 raise RuntimeError(f"deepspeed_xla: rank {self.rank} read the checkpoint step {self.target} that "
                                    f"SIGTERM on rank {self.sigterm_rank} asked for only after step {completed}: a "
@@ -90,6 +95,18 @@ class CheckpointOnSigterm:
                                    f"in between ({SAVE_DIR_ENV})")
             self.saving = completed == self.target
             return self.saving
+
+    def _read_target(self) -> None:
+        text = self._signer.verify(_TARGET, self._store.get(_TARGET))
+        try:
+            target, rank = map(int, (text or "").split())
+        except ValueError:  # not what a rank writes: someone else reached the store
+            if not self._malformed and text is not None:
+                self._malformed = True
+                sys.stderr.write(f"[deepspeed_xla] rank {self.rank} ignores the checkpoint step {text[:80]!r} in the "
+                                 f"rendezvous store: not '<step> <rank>' as a rank writes it ({SAVE_DIR_ENV})\n")
+            return
+        self.target, self.sigterm_rank = target, rank
 
     def overdue(self, seconds: float) -> bool:
         """SIGTERM came to this rank, and no optimizer step ended in the ``seconds`` since it or since the last one:

@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import functools
 import os
+import resource
 import sys
 from datetime import timedelta
 from typing import Callable, NoReturn, Optional
@@ -47,8 +48,9 @@ def start(store, rank: int, size: int, timeout: timedelta) -> None:
             raise ValueError(f"{SAVE_DIR_ENV} is for jobs of 2 or more ranks (it makes them agree on a step to save "
                              "at), and this one has 1: unset it, and save from a SIGTERM handler of your own.")
         return
-    checkpoint = None if checkpoint_dir is None else CheckpointOnSigterm(store, rank, checkpoint_dir)
-    _watchdog = Watchdog(store, rank, size, heartbeat_timeout(), timeout.total_seconds(), checkpoint)
+    if rank == 0:
+        enough_files(size)
+    _watchdog = build(store, rank, size, heartbeat_timeout(), timeout.total_seconds(), checkpoint_dir)
     _watchdog.start()
     previous_hook = sys.excepthook
 
@@ -67,6 +69,32 @@ def start(store, rank: int, size: int, timeout: timedelta) -> None:
         raise ValueError(f"{SAVE_DIR_ENV} is set, but SIGTERM is handled already (a handler of the script or its "
                          "framework, or a signal wakeup fd) or the process group was made off the main thread: unset "
                          f"{SAVE_DIR_ENV}, or let deepspeed_xla handle SIGTERM.")
+
+
+def enough_files(size: int) -> None:
+    """Rank 0's process hosts the rendezvous store, which serves two connections per rank (the job's and the
+    control code's): raise its open-file limit to cover them (a soft limit of 1024, common, falls at about 500 ranks),
+    up to the hard limit, which only the administrator can raise (then a warning names ``ulimit -n``)."""
+    needed = 2 * size + 512  # and what the process itself opens: libraries, XLA's files, the job's data
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    if raised < needed:
+        sys.stderr.write(f"[deepspeed_xla] rank 0 hosts the rendezvous store for {size} ranks, which needs about "
+                         f"{needed} open files, and its hard limit is {hard}: raise it (ulimit -Hn, or nofile in "
+                         "/etc/security/limits.conf), or ranks will fail to connect.\n")
+
+
+def build(store, rank: int, size: int, heartbeat: float, collective: float,
+          checkpoint_dir: Optional[str]) -> Watchdog:
+    """A rank's watchdog, not started, with its side of the checkpoint on SIGTERM if ``checkpoint_dir`` is set
+    (what ``start`` starts; ``tests/comm/pod_simulation.py`` builds hundreds)."""
+    dog = Watchdog(store, rank, size, heartbeat, collective)
+    if checkpoint_dir is not None:
+        dog.checkpoint = CheckpointOnSigterm(dog.connection, rank, checkpoint_dir, dog.signer)
+    return dog
 
 
 def _exit_telling_peers(code: int) -> NoReturn:

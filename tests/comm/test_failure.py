@@ -19,6 +19,10 @@ class _FailureStore:
     def set(self, key, value):
         self.values[key] = value
 
+    def add(self, key, amount):
+        self.values[key] = int(self.values.get(key, 0)) + amount
+        return self.values[key]
+
 
 @pytest.fixture
 def exits(monkeypatch) -> list:
@@ -87,3 +91,15 @@ def test_peers_are_told_the_first_line_of_a_raised_error(capsys):
     record.publish_exception(RuntimeError, error)
     assert record._store.values[failure.FAILED] == "rank 1 raised RuntimeError: RESOURCE_EXHAUSTED: out of memory"
     assert record.raised and capsys.readouterr().err == ""
+
+
+def test_a_failure_read_from_the_store_is_printed_as_one_bounded_line(exits, capsys):
+    """Whoever reaches the store may write the failure every rank prints: no escape sequences, no forged lines, no
+    megabytes of text."""
+    store = _FailureStore()
+    store.values[failure.FAILED] = "rank 3 raised \x1b[31mX\nrank 5 stops: fake" + "y" * 5000
+    record = failure.FailureRecord(store, 1)
+    record.stop("rank 1 sent no heartbeat", failure.EXIT_CODE)
+    line = capsys.readouterr().err
+    assert line.startswith("[deepspeed_xla] rank 1 stops: rank 3 raised \\x1b[31mX\\nrank 5 stops: fakeyyy"), line
+    assert line.endswith(" more characters)\n") and line.count("\n") == 1 and len(line) < failure.LONGEST + 100

@@ -1,13 +1,15 @@
 """``comm/heartbeat.py``: the heartbeat thread against a real rendezvous store, its peers played by this test. (The
 watchdog in running jobs: tests/launched/test_faults.py.)"""
 import os
+import resource
+import threading
 import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
-from deepspeed_xla.comm import failure, heartbeat
+from deepspeed_xla.comm import failure, heartbeat, watchdog
 from deepspeed_xla.launch_env import free_port
 
 INTERVAL = 0.02  # the thread's pace in these tests; the heartbeat timeout stays a minute, so no peer is failed
@@ -95,6 +97,7 @@ def test_after_a_failed_collective_a_silent_peer_is_named_within_the_heartbeat_t
     dog, _ = dogs
     dog.timeout = 1.0
     dog.start()
+    _until(lambda: dog._watched == 1, "the thread does not watch rank 1")  # as it has long before a collective fails
     began = time.monotonic()
     assert dog.find_failure() == ("rank 1 sent no heartbeat for 1 s: it died, hung, or its host is unreachable "
                                   "(DS_XLA_HEARTBEAT_TIMEOUT=1)")
@@ -114,3 +117,64 @@ def test_a_live_local_peer_is_watched_without_being_reported(dogs):
     """Rank 1 registered this very process (same host, same PID namespace): alive, it is not reported."""
     dog, _ = dogs
     assert dog._local_peer_gone(1) is None and dog._local_peers_gone() is None
+
+
+class _Counted:
+    """A store that counts the operations made through it."""
+
+    def __init__(self, store):
+        self._inner, self.ops = store, 0
+
+    def __getattr__(self, name):
+        method = getattr(self._inner, name)
+
+        def counted(*args, **kwargs):
+            self.ops += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("size", [8, 256])
+def test_rank_0_at_exit_reads_the_store_at_a_pace_that_does_not_grow_with_the_job(store, monkeypatch, size):
+    """Rank 0 keeps the store up at exit until every rank ended: it used to read every rank's keys every 50 ms (at 512
+    ranks, ~20,000 operations a second on the store every rank beats on; 320 at 8 ranks here). Now one counter every
+    50 ms, and every rank's wait in one read twice an interval: about 80 a second at any size."""
+    monkeypatch.setattr(failure, "_real_exit", lambda code: None)
+    dog = heartbeat.Watchdog(store, 0, size, heartbeat=60.0, collective=600.0)
+    dog.interval = 0.1
+    for rank in range(1, size):  # registered, as each rank's watchdog does at its start
+        dog._store.set(f"waiting/{rank}", "")
+    dog._store = dog.failures._store = counted = _Counted(dog._store)
+    dog._thread = threading.Thread(target=dog._stopping.wait)  # the heartbeat thread, without its own reads
+    dog._thread.start()
+    exiting = threading.Thread(target=dog.finish)
+    exiting.start()
+    time.sleep(1.0)  # the pace under test: operations over one second of rank 0 waiting
+    ops = counted.ops
+    dog._store.add("ended", size - 1)  # every other rank finished
+    exiting.join(30)
+    assert not exiting.is_alive()
+    assert ops < 150, f"{ops} store operations in one second of rank 0's wait, for {size} ranks"
+
+
+def test_the_watchdog_and_the_sigterm_agreement_share_one_connection(store, tmp_path):
+    """Rank 0's process serves every connection to the store: the job's, and one per rank for the control code (the
+    checkpoint on SIGTERM used to open a third)."""
+    from tests.comm.pod_simulation import served_sockets
+    before = served_sockets(store.port)
+    dog = watchdog.build(store, 1, 2, 60.0, 600.0, str(tmp_path))
+    assert dog.checkpoint is not None and served_sockets(store.port) == before + 1
+
+
+def test_rank_0_raises_its_open_file_limit_for_the_job(monkeypatch, capsys):
+    """Two connections per rank: a soft limit of 1024 fell at about 500 ranks (340 with three)."""
+    limits = {"soft": 1024, "hard": 4096}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (limits["soft"], limits["hard"]))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, value: limits.update(soft=value[0]))
+    watchdog.enough_files(64)
+    assert limits["soft"] == 1024
+    watchdog.enough_files(512)
+    assert limits["soft"] == 2 * 512 + 512 and capsys.readouterr().err == ""
+    watchdog.enough_files(4096)
+    assert limits["soft"] == 4096 and "raise it (ulimit -Hn" in capsys.readouterr().err

@@ -76,3 +76,12 @@ def test_a_sigterm_that_no_step_follows_is_overdue_after_the_bound(agreements):
         "rank 1 got SIGTERM: preempted (a spot VM, a TPU maintenance event), or stopped by its scheduler or launcher; "
         "no optimizer step ended for DS_XLA_HEARTBEAT_TIMEOUT=6 s after it (the first compilation, an evaluation, a "
         f"data stall or a hang), so no checkpoint was saved ({preemption.SAVE_DIR_ENV})")
+
+
+def test_a_malformed_checkpoint_step_in_the_store_is_ignored_and_said_once(agreements, capsys):
+    """Whoever reaches MASTER_PORT can write the key; a value no rank wrote used to crash every rank at its step."""
+    rank0, _ = agreements
+    rank0._store.set("target", "\x1b[2Jnot a step")
+    assert not rank0.step_ended(3) and not rank0.step_ended(4)
+    err = capsys.readouterr().err
+    assert err.count("rank 0 ignores the checkpoint step '\\x1b[2Jnot a step' in the rendezvous store") == 1, err
