@@ -33,6 +33,11 @@ WAITS_BEFORE_FAILED = 3  # intervals a rank waits for one that ended before that
 _REPORTS = 10  # distinct unexpected errors a rank prints; more would be the same bug in other words
 
 
+def store_lost(error: Exception) -> str:
+    """The failure when the store stops answering: its process, rank 0, is gone."""
+    return f"lost the rendezvous store on rank 0 ({error}): rank 0 died or its host is unreachable"
+
+
 class Watchdog:
     """The heartbeat thread of one rank (see the module docstring). ``heartbeat``: the heartbeat timeout, seconds;
     ``collective``: the collective timeout, seconds, for the errors that name it. ``connection``: this rank's one
@@ -76,7 +81,7 @@ class Watchdog:
             except (RuntimeError, OSError) as exc:  # the store's process (rank 0) is gone
                 if self._stopping.is_set():
                     return
-                failure = f"lost the rendezvous store on rank 0 ({exc}): rank 0 died or its host is unreachable"
+                failure = store_lost(exc)
             else:
                 try:
                     failure = self._check()

@@ -23,7 +23,7 @@ from typing import Callable, NoReturn, Optional
 
 from deepspeed_xla.comm import failure
 from deepspeed_xla.comm.failure import EXIT_CODE, TERMINATED_EXIT_CODE
-from deepspeed_xla.comm.heartbeat import Watchdog
+from deepspeed_xla.comm.heartbeat import Watchdog, store_lost
 from deepspeed_xla.comm.preemption import SAVE_DIR_ENV, CheckpointOnSigterm, save_dir_setting
 from deepspeed_xla.comm.signals import Sigterm
 from deepspeed_xla.comm.timeouts import HEARTBEAT_ENV, TIMEOUT_ENV, comm_timeout, heartbeat_timeout
@@ -145,8 +145,11 @@ def explain_failure(error: Exception) -> NoReturn:
     function raised passes through unchanged (a collective issued inside another one's start)."""
     if _watchdog is None or getattr(error, _EXPLAINED, False):
         raise error
-    busy = _watchdog.busy_ranks()
-    found = _watchdog.find_failure()
+    try:
+        busy = _watchdog.busy_ranks()
+        found = _watchdog.find_failure()
+    except (RuntimeError, OSError) as lost:  # the store went with its process, rank 0
+        _watchdog.stop_job(store_lost(lost))
     if found:
         _watchdog.stop_job(found)
     if busy:

@@ -94,6 +94,7 @@ FAULTED = {
     ("exit1", 1): "rank 1 ended while rank 0 waits in a collective",
     ("os_exit0", 1): "rank 1 ended while rank 0 waits in a collective",
     ("sigterm", 1): "rank 1 got SIGTERM: preempted",
+    ("kill", 0): "lost the rendezvous store on rank 0",  # rank 0's host lost: the store goes with it
     ("sigterm", 0): "rank 0 got SIGTERM: preempted",  # the rank that holds the rendezvous store
     ("sigterm_in_collective", 1): "rank 1 got SIGTERM: preempted",
     ("sigterm_no_step", 1): (f"rank 1 got SIGTERM: preempted (a spot VM, a TPU maintenance event), or stopped by "
