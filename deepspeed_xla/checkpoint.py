@@ -19,7 +19,7 @@ import io
 import os
 import pickle
 import types
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -261,20 +261,29 @@ class CpuCheckpointEngine:
     def __init__(self, engine):
         self._engine = engine
         self._deferred: Optional[List[Tuple[int, str]]] = None
+        self._before_writes: Callable[[], List[Tuple[int, str]]] = list
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
     @contextlib.contextmanager
-    def deferring_write_errors(self):
+    def deferring_write_errors(self, before_writes: Callable[[], List[Tuple[int, str]]] = list):
         """Around a save that every rank runs: a file this rank cannot write (a full disk) is recorded, not
         raised, so the rank goes on through the save's collectives with the others; each rank then raises
-        the first one (``first_failure``). Raised at once, it would leave the others waiting in a barrier."""
-        self._deferred = []
+        the first one (``first_failure``). Raised at once, it would leave the others waiting in a barrier.
+        ``before_writes``: the errors of a check run once every rank has passed the save's first barrier
+        (``create``)."""
+        self._deferred, self._before_writes = [], before_writes
         try:
             yield self._deferred
         finally:
-            self._deferred = None
+            self._deferred, self._before_writes = None, list
+
+    def create(self, info):
+        """DeepSpeed calls this after the save's first barrier, before any rank writes a file."""
+        if self._deferred is not None:
+            self._deferred += self._before_writes()
+        return self._engine.create(info)
 
     def hold(self, error: OSError) -> None:
         """Record ``error`` for every rank to raise after the save (``deferring_write_errors``); outside one, raise."""

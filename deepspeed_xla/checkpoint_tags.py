@@ -14,10 +14,12 @@ import os
 import shutil
 import stat
 import warnings
+from typing import Optional
 
 LATEST = "latest"
 SAVING_SUFFIX = ".saving"
 REPLACED_SUFFIX = ".replaced"  # an old tag moved aside where folders cannot be swapped
+WRITER_MARK = ".deepspeed_xla_writer."  # in <tag>.saving while its ranks write: whose save_dir each rank sees
 #: A file this package creates: a new one, never one a symbolic link leads to.
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
@@ -93,6 +95,31 @@ def discard_unfinished(save_dir: str, tag: str) -> None:
     shutil.rmtree(unfinished, ignore_errors=True)
 
 
+def mark_writer(save_dir: str, tag: str, rank: int) -> None:
+    """Make ``saving_tag(tag)`` with a mark of ``rank`` in it. The ranks that make ``save_dir`` (rank 0, or each host's
+    local rank 0 with node-local storage) mark it once every such rank has removed what an earlier save left, and
+    every rank counts the marks it sees (``writers_seen``) once every writer has marked: one where the folder is what
+    the setting says, none where ``save_dir`` is each host's own disk, several where node-local storage is one folder
+    every host shares."""
+    folder = os.path.join(save_dir, saving_tag(tag))
+    os.makedirs(folder, exist_ok=True)
+    _write_new(os.path.join(folder, f"{WRITER_MARK}{rank}"), "")
+
+
+def writers_seen(save_dir: str, tag: str) -> int:
+    """How many writers' marks (``mark_writer``) this rank sees."""
+    try:
+        return sum(name.startswith(WRITER_MARK) for name in os.listdir(os.path.join(save_dir, saving_tag(tag))))
+    except FileNotFoundError:
+        return 0
+
+
+def unmark_writer(save_dir: str, tag: str, rank: int) -> None:
+    """Remove ``rank``'s mark before the tag is given its name: a checkpoint holds DeepSpeed's files only."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(save_dir, saving_tag(tag), f"{WRITER_MARK}{rank}"))
+
+
 def _exchange(a: str, b: str) -> bool:
     """Swap two folders in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the system cannot."""
     renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
@@ -130,6 +157,15 @@ def promote(save_dir: str, tag: str) -> None:
         incoming = aside
     shutil.rmtree(incoming, ignore_errors=True)  # the old contents
     fsync(os.path.dirname(final))
+
+
+def latest_tag(load_dir: str, universal: bool = False) -> Optional[str]:
+    """The tag ``latest`` (``latest_universal``) names, read as DeepSpeed reads it; None without one."""
+    path = os.path.join(load_dir, "latest_universal" if universal else LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as file:
+        return file.read().strip()
 
 
 def loadable_tag(load_dir: str, tag: str, warn: bool = True) -> str:

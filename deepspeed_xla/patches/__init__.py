@@ -110,6 +110,8 @@ PATCHES = [
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_get_shared_params", engine.get_shared_params,
           "7ca3cfe76bcd4439"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "load_checkpoint", engine.sync_after, "5728d3dfa42a3d6c"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "load_checkpoint", checkpoints.ranks_load_one_checkpoint,
+          "5728d3dfa42a3d6c"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_load_zero_checkpoint",
           checkpoints.zero_checkpoint_world_size, "0084918407ff3784"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_with_arguments", engine.ranks_agree,

@@ -20,16 +20,43 @@ def create_checkpoint_engine(original):
     return create_checkpoint_engine
 
 
+def _gathered(value) -> list:
+    """Every rank's ``value``, in rank order (one object collective)."""
+    from deepspeed import comm as dist
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def _raise_first_failure(failures) -> None:
     """Every rank raises the error of the lowest rank that recorded one (``checkpoint.first_failure``), or none does:
     an error that one rank alone sees would leave the others waiting for it in the next collective."""
-    from deepspeed import comm as dist
     from deepspeed_xla import checkpoint
-    failures_per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(failures_per_rank, failures)
-    failure = checkpoint.first_failure(failures_per_rank)
+    failure = checkpoint.first_failure(_gathered(failures))
     if failure is not None:
         raise failure
+
+
+def _storage_problem(save_dir: str, seen: int) -> list:
+    """Why the ranks' view of ``save_dir`` does not fit the storage setting, given how many writers' marks this rank
+    sees (``checkpoint_tags.mark_writer``); [] where it fits."""
+    if seen == 1:
+        return []
+    import errno
+    import socket
+    from deepspeed import comm as dist
+    where = f"deepspeed_xla: rank {dist.get_rank()} (host {socket.gethostname()})"
+    if not seen:
+        return [(errno.EINVAL, (
+            f"{where} does not see the checkpoint that rank 0 writes in {save_dir}: that folder is on each host's own "
+            "disk, and only rank 0's host would get a complete checkpoint and `latest` (the other hosts would resume "
+            "from nothing). Save to a folder every host shares, or set \"checkpoint\": {\"use_node_local_storage\": "
+            "true} in the DeepSpeed config to keep a checkpoint on each host's disk. Nothing was kept."))]
+    return [(errno.EINVAL, (
+        f"{where} sees {seen} hosts write their checkpoint in {save_dir} with \"use_node_local_storage\": true: that "
+        "folder is shared between the hosts, and each host's local rank 0 would give the tag its name over the "
+        "others'. Remove \"use_node_local_storage\" from the DeepSpeed config's \"checkpoint\" section, or save to a "
+        "folder on each host's own disk. Nothing was kept."))]
 
 
 def _record(failures: list, what: str, advice: str, action, *args) -> None:
@@ -51,8 +78,10 @@ def save_checkpoint(original):
     storage) gives it the tag's name, rank 0 writes ``latest``, and every rank learns whether that worked.
     An error one rank alone sees (a file it cannot write, a ``save_dir`` others may write to, the rename, ``latest``)
     does not stop that rank while the others wait for it in a collective: every rank raises it, and a failed write
-    removes ``<tag>.saving``. Decoupled (asynchronous) checkpoint engines write ``latest`` when they commit
-    and are left as they are.
+    removes ``<tag>.saving``. So does a ``save_dir`` that is not what the storage setting says (each host's own disk
+    without ``use_node_local_storage``, or one shared folder with it: ``checkpoint_tags.mark_writer``, counted in
+    ``CpuCheckpointEngine.create``, which upstream calls after its first barrier). Decoupled
+    (asynchronous) checkpoint engines write ``latest`` when they commit and are left as they are.
     """
 
     @functools.wraps(original)
@@ -70,18 +99,24 @@ def save_checkpoint(original):
             tags.check_save_dir(save_dir)
         except OSError as error:
             refused.append((error.errno, error.strerror))
-        _raise_first_failure(refused)  # before any rank writes
-        if writes_save_dir:  # before upstream's first barrier: no rank writes yet
+        if writes_save_dir and not refused:
             tags.discard_unfinished(save_dir, tag)
-        with self.checkpoint_engine.deferring_write_errors() as failures:
+        _raise_first_failure(refused)  # also: every writer has discarded before any marks (mark_writer)
+        with self.checkpoint_engine.deferring_write_errors(
+                lambda: _storage_problem(save_dir, tags.writers_seen(save_dir, tag))) as failures:
+            if writes_save_dir:
+                _record(failures, f"start the checkpoint {tag} in {save_dir}", "Nothing was kept.", tags.mark_writer,
+                        save_dir, tag, self.global_rank)
             result = original(self, save_dir, tags.saving_tag(tag), client_state, False, exclude_frozen_parameters)
         try:
             _raise_first_failure(failures)
         except OSError:
-            if writes_save_dir:
+            if writes_save_dir or not tags.writers_seen(save_dir, tag):  # none seen: this rank's own disk
                 tags.discard_unfinished(save_dir, tag)
             dist.barrier()  # no rank stops before the unfinished tag is gone
             raise
+        if writes_save_dir:
+            tags.unmark_writer(save_dir, tag, self.global_rank)
         ending = []
         if writes_save_dir:
             _record(ending, f"give the complete checkpoint {os.path.join(save_dir, tags.saving_tag(tag))} the name "
@@ -96,6 +131,47 @@ def save_checkpoint(original):
         return result
 
     return save_checkpoint
+
+
+def _differing(views: list) -> str:
+    """"rank 0 (host a): X; ranks 1, 2 (host b): Y" for (host, view) pairs in rank order; "" when all views agree."""
+    groups = {}
+    for rank, (host, view) in enumerate(views):
+        groups.setdefault(view, []).append((rank, host))
+    if len(groups) < 2:
+        return ""
+    return "; ".join(f"rank{'s' * (len(members) > 1)} {', '.join(str(rank) for rank, _ in members)} (host "
+                     f"{', '.join(sorted({host for _, host in members}))}): {view}" for view, members in groups.items())
+
+
+def ranks_load_one_checkpoint(original):
+    """Every rank resumes from the same tag and step, or every rank stops naming the ranks and hosts that differ.
+
+    Each rank reads ``latest`` and its files from its own view of ``load_dir``: where that is each host's own disk (a
+    save to it without ``use_node_local_storage`` names the checkpoint on rank 0's host only) or a copy some hosts got
+    and others did not, upstream resumes some ranks and starts the others from scratch, or from another step."""
+
+    @functools.wraps(original)
+    def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        import socket
+        from deepspeed_xla import checkpoint_tags as tags
+        named = tag if tag is not None else tags.latest_tag(load_dir, self.load_universal_checkpoint())
+        found = named is not None and os.path.isdir(os.path.join(load_dir, tags.loadable_tag(load_dir, named, False)))
+        view = "no `latest`" if named is None else f"tag {named}" + ("" if found else " (missing)")
+        host = socket.gethostname()
+        differ = _differing(_gathered((host, view)))
+        if not differ:
+            result = original(self, load_dir, tag, *args, **kwargs)
+            differ = _differing(_gathered((host, f"step {self.global_steps}")))
+        if differ:
+            raise RuntimeError(
+                f"deepspeed_xla: the ranks would not resume from the same checkpoint of {load_dir} ({differ}): it is "
+                "on each host's own disk, or was copied to some hosts only. Load from a folder every host shares, or "
+                "copy the whole checkpoint to every host; a save to each host's own disk needs \"checkpoint\": "
+                "{\"use_node_local_storage\": true} in the DeepSpeed config (docs/checkpoints.md).")
+        return result
+
+    return load_checkpoint
 
 
 def copy_recovery_script(original):

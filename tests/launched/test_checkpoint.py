@@ -297,12 +297,12 @@ def _train(engine, steps: int) -> None:
 
 
 def _outcome(action) -> list:
-    """[errno, message] of the OSError ``action`` raised; [0, ""] if it raised none."""
+    """[errno, message] of the OSError (or RuntimeError: errno 0) ``action`` raised; [0, ""] if it raised none."""
     try:
         action()
         return [0, ""]
-    except OSError as error:
-        return [error.errno, str(error)]
+    except (OSError, RuntimeError) as error:
+        return [getattr(error, "errno", 0), str(error)]
 
 
 def errors_one_rank_sees_at_the_end_of_a_save():
@@ -428,3 +428,68 @@ def test_legacy_forms_and_a_tag_moved_aside_resume(tmp_path):
     assert f"the checkpoint {tmp_path}/moved_aside/last is missing" in proc.stderr, proc.stderr[-3000:]
     with open(tmp_path / "legacy_format" / "last" / "mp_rank_00_model_states.pt", "rb") as file:
         assert not torch.serialization._is_zipfile(file)
+
+
+def checkpoints_on_each_hosts_own_disk():
+    """Run by ``run_ranks`` (2 ranks, ZeRO-1), each rank standing for a host: a relative ``save_dir`` in a working
+    folder of each rank's own is a folder on each host's own disk. Saves there without node-local storage, and in one
+    shared folder with it (rank 1 then stands for local rank 0 of a second host); loads where the ranks' ``latest``
+    differ, and where it names one tag of different steps. Each outcome on this rank, as JSON."""
+    import json
+    import os
+    import shutil
+    from pathlib import Path
+    root, rank = Path(sys.argv[1]), int(os.environ["RANK"])
+    engine = _tiny_engine({"zero_optimization": {"stage": 1}})
+    _train(engine, 1)
+    outcomes = {}
+    os.chdir(root / "shared")
+    engine.save_checkpoint("ckpt", tag="last")  # a shared folder: fine
+    if rank == 0:
+        shutil.copytree("ckpt", root / "host1" / "ckpt")  # a copy at step 1, on "host 1" only
+    _train(engine, 1)
+    engine.save_checkpoint("ckpt", tag="last")  # step 2, in the shared folder
+    os.chdir(root / f"host{rank}")
+    outcomes["local_save"] = _outcome(lambda: engine.save_checkpoint("local", tag="local"))
+    outcomes["local_left"] = sorted(os.listdir("local")) if os.path.isdir("local") else []
+    os.chdir(root / "shared")
+    node_local = _tiny_engine({"zero_optimization": {"stage": 1}, "checkpoint": {"use_node_local_storage": True}})
+    node_local.local_rank = 0  # every rank is its host's local rank 0
+    outcomes["shared_node_local"] = _outcome(lambda: node_local.save_checkpoint("node_local", tag="n"))
+    outcomes["shared_node_local_left"] = sorted(os.listdir("node_local"))
+    os.chdir(root / ("shared" if rank == 0 else "host0"))  # host 0's disk has no checkpoint in "ckpt"
+    outcomes["no_latest"] = _outcome(lambda: _tiny_engine({"zero_optimization": {"stage": 1}}).load_checkpoint("ckpt"))
+    os.chdir(root / ("shared" if rank == 0 else "host1"))  # "last" of step 2 and its copy of step 1
+    outcomes["other_step"] = _outcome(lambda: _tiny_engine({"zero_optimization": {"stage": 1}}).load_checkpoint("ckpt"))
+    print(json.dumps(outcomes))
+
+
+def test_a_save_dir_on_each_hosts_disk_or_shared_against_the_setting_stops_every_rank(tmp_path):
+    """``save_dir`` on each host's own disk without ``use_node_local_storage``: upstream named the checkpoint on rank 0's
+    host only and the other hosts resumed from nothing; with the setting on one shared folder, each host's local rank 0
+    renamed the tag over the others'. Both stop every rank at the save, naming the rank, its host and the fix, and
+    leave nothing. A load where the ranks' ``latest`` differ, or name one tag of different steps, stops every rank
+    naming each rank's host and view, where upstream resumed some ranks only or from different steps."""
+    from tests.multiproc import run_ranks
+    for folder in ("shared", "host0", "host1"):
+        (tmp_path / folder).mkdir()
+    procs = run_ranks("tests.launched.test_checkpoint:checkpoints_on_each_hosts_own_disk", 2, args=(tmp_path, ),
+                      env={"DS_ACCELERATOR": "xla"})
+    assert all(proc.returncode == 0 for proc in procs), "\n".join(proc.stderr[-4000:] for proc in procs)
+    rank0, rank1 = (json.loads(proc.stdout.strip().splitlines()[-1]) for proc in procs)
+    for key in ("local_save", "shared_node_local", "no_latest", "other_step"):
+        assert rank0[key] == rank1[key] and rank0[key][1], (key, rank0[key], rank1[key])
+    assert ("rank 1 (host " in rank0["local_save"][1] and "does not see the checkpoint that rank 0 writes in local: "
+            "that folder is on each host's own disk" in rank0["local_save"][1]
+            and '"use_node_local_storage": true' in rank0["local_save"][1]), rank0["local_save"]
+    scripts = ["zero_to_fp32.py", "zero_to_torch.py"]  # rank 0 copies DeepSpeed's recovery scripts before it knows
+    assert rank0["local_left"] == scripts and rank1["local_left"] == [], (rank0["local_left"], rank1["local_left"])
+    assert ("sees 2 hosts write their checkpoint in node_local with \"use_node_local_storage\": true: that folder is "
+            "shared" in rank0["shared_node_local"][1]), rank0["shared_node_local"]
+    assert rank0["shared_node_local_left"] == rank1["shared_node_local_left"] == scripts
+    views = "rank 0 (host {0}): tag last; rank 1 (host {0}): no `latest`"
+    assert "the ranks would not resume from the same checkpoint of ckpt (" in rank0["no_latest"][1], rank0["no_latest"]
+    import socket
+    assert views.format(socket.gethostname()) in rank0["no_latest"][1], rank0["no_latest"]
+    assert (f"rank 0 (host {socket.gethostname()}): step 2; rank 1 (host {socket.gethostname()}): step 1"
+            in rank0["other_step"][1]), rank0["other_step"]
