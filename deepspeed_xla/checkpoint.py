@@ -164,7 +164,8 @@ class _File(io.FileIO):
     error: Optional[OSError] = None
 
     def __init__(self, path: str):
-        super().__init__(path, "w", opener=lambda name, flags: os.open(name, flags | os.O_NOFOLLOW, 0o644))
+        # 0o666: the umask decides the mode, as for open()
+        super().__init__(path, "w", opener=lambda name, flags: os.open(name, flags | os.O_NOFOLLOW, 0o666))
 
     def write(self, data) -> int:
         try:

@@ -53,10 +53,10 @@ def _write_new(path: str, text: str) -> None:
     """Write ``text`` to a file made new at ``path`` and flush it to disk; one left there by a crashed save of the
     same process id is replaced."""
     try:
-        fd = os.open(path, _NEW_FILE, 0o644)
+        fd = os.open(path, _NEW_FILE, 0o666)
     except FileExistsError:
         os.unlink(path)  # a link is removed, not followed
-        fd = os.open(path, _NEW_FILE, 0o644)
+        fd = os.open(path, _NEW_FILE, 0o666)
     with open(fd, "w", encoding="utf-8") as handle:
         handle.write(text)
         handle.flush()

@@ -204,3 +204,16 @@ def test_a_link_in_place_of_the_file_is_not_written_through(tmp_path):
     assert refused.value.errno == errno.ELOOP
     assert f"did not write the checkpoint file {shard}: it is a symbolic link" in str(refused.value)
     assert victim.read_text() == "precious" and shard.is_symlink()
+
+
+def test_files_get_the_mode_open_would_give(tmp_path):
+    """Made without following links, the files still take their mode from the umask, as ``open()``'s do: a group
+    that shares checkpoints (umask 002) keeps its write permission."""
+    from deepspeed_xla import checkpoint_tags
+    previous = os.umask(0o002)
+    try:
+        _engine().save({"w": torch.ones(4)}, str(tmp_path / "shard.pt"))
+        checkpoint_tags.write_latest(str(tmp_path), "global_step1")
+    finally:
+        os.umask(previous)
+    assert [oct(os.stat(tmp_path / name).st_mode & 0o777) for name in ("shard.pt", "latest")] == [oct(0o664)] * 2
