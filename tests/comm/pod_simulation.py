@@ -112,7 +112,8 @@ class Pod:
 
 
 def measure(size: int) -> dict:
-    """One pod of ``size`` ranks: steady state, one rank silenced; then a second pod: a normal end."""
+    """One pod of ``size`` ranks: steady state; rank 0's script ends and it waits for the others; then one rank goes
+    silent, and every rank stops."""
     figures = {"ranks": size, "heartbeat_timeout_s": HEARTBEAT}
     real_exit, real_stderr = failure._real_exit, sys.stderr
     sys.stderr = open(os.devnull, "w")  # every rank prints why it stops
@@ -124,29 +125,22 @@ def measure(size: int) -> dict:
             pod.start()
             figures["start_s"] = round(time.monotonic() - began, 2)
             figures["rank0_sockets"] = served_sockets(pod.port)
-            figures["steady_ops_per_s"] = round(_ops_per_second(3 * pod.dogs[0].interval))
-            silent = pod.dogs[size // 2]
-            silent._stopping.set()
+            interval = pod.dogs[0].interval
+            figures["steady_ops_per_s"] = round(_ops_per_second(3 * interval))
+            rank0 = threading.Thread(target=pod.dogs[0].finish)
+            rank0.start()  # rank 0's script ended: it keeps the store up for the others
+            time.sleep(interval)
+            figures["rank0_exit_wait_ops_per_s"] = round(_ops_per_second(2 * interval))
+            pod.dogs[size // 2]._stopping.set()  # a rank goes silent
             silenced = time.monotonic()
             while pod.dogs[0].failures.published() is None and time.monotonic() < silenced + 10 * HEARTBEAT:
                 time.sleep(0.01)
             figures["detect_s"] = round(time.monotonic() - silenced, 2)
-            while len(pod.exits) < size - 1 and time.monotonic() < silenced + 20 * HEARTBEAT:
+            while len(pod.exits) < size - 2 and time.monotonic() < silenced + 20 * HEARTBEAT:
                 time.sleep(0.01)
-            figures["all_stopped_s"] = round(max(pod.exits.values(), default=silenced) - silenced, 2)
+            last = max(pod.exits.values(), default=silenced)
+            figures["all_stopped_s"] = round(last - silenced, 2)
             figures["stopped"] = len(pod.exits)
-            pod.stop()
-
-            pod = Pod(size, workdir)
-            failure._real_exit = pod.exited
-            pod.start()
-            rank0 = threading.Thread(target=pod.dogs[0].finish)
-            rank0.start()  # rank 0's script ended: it keeps the store up for the others
-            time.sleep(pod.dogs[0].interval)
-            figures["rank0_exit_wait_ops_per_s"] = round(_ops_per_second(2 * pod.dogs[0].interval))
-            last = time.monotonic()
-            for dog in pod.dogs[1:]:
-                dog._store.set(f"done/{dog.rank}", "1")  # what finish() publishes (its thread is left running)
             rank0.join()
             figures["rank0_exit_after_last_s"] = round(time.monotonic() - last, 2)
             pod.stop()
