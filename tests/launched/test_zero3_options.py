@@ -1,6 +1,6 @@
 """ZeRO-3's tuning options on 2 XLA ranks against DeepSpeed's own CPU accelerator: prefetch bucket, live parameters,
-reuse distance, persistence threshold, module granularity threshold, leaf modules, the 16-bit model save and optimizer
-sub-groups smaller than the model.
+reuse distance, persistence threshold, module granularity threshold, leaf modules, the 16-bit model save, optimizer
+sub-groups smaller than the model, and fetching parameters by all-reduce or one at a time.
 
 One 2-rank job per accelerator trains every case in turn (as tests/launched/test_parallelism.py does) on a tiny model
 of three blocks with the same data and seed; each rank records its per-step losses, its final weights, which modules
@@ -71,6 +71,8 @@ CASES = {
     "leaf-blocks": (zero3(stage3_max_reuse_distance=0), True),
     "gather-16bit-save": (zero3(stage3_gather_16bit_weights_on_model_save=True), False),
     "sub-groups": (zero3(sub_group_size=MODEL_PARAMETERS // 8), False),
+    "all-reduce-fetch": (zero3(stage3_use_all_reduce_for_fetch_params=True), False),
+    "allgather-sequential": (zero3(stage3_allgather_sequential=True), False),
 }
 # The modules each case must run as ZeRO-3 leaves (the rest: none).
 LEAVES = {"granularity-blocks": [f"blocks.{i}" for i in range(BLOCKS)], "granularity-model": [""],
@@ -157,7 +159,8 @@ def per_step(counters: list) -> list:
 # sub-group (measured).
 EXECUTIONS_PER_STEP = {"prefetch-0": 11, "prefetch-small": 7, "defaults": 4, "live-parameters-0": 11,
                        "reuse-distance-0": 4, "persistence-default": 4, "granularity-0": 4, "granularity-blocks": 4,
-                       "granularity-model": 4, "leaf-blocks": 4, "gather-16bit-save": 4, "sub-groups": 7}
+                       "granularity-model": 4, "leaf-blocks": 4, "gather-16bit-save": 4, "sub-groups": 7,
+                       "all-reduce-fetch": 4, "allgather-sequential": 11}
 
 
 @pytest.mark.parametrize("case", list(CASES))
