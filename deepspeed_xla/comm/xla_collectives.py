@@ -8,8 +8,10 @@ Used where XLA itself connects the processes (TPU). Upstream ``ProcessGroupXla``
   exchange over the whole world and compare the global ordinal with the group's root (ZeRO-2 reduces each
   gradient slice to its owner in its data-parallel group), and ``reduce`` and ``gather`` cut the graph after
   every tensor so that the non-roots, which drop the result, still run the collective;
-- ``allreduce_coalesced`` raises, ``AVG`` is refused, ``allgather_coalesced`` fills torch's layout
-  transposed, and ``alltoall_base`` ignores split sizes and the group;
+- ``allreduce_coalesced`` raises, the coalescing manager's ``allgather_into_tensor_coalesced`` (ZeRO-1/2's
+  parameter all-gather) and ``reduce_scatter_tensor_coalesced`` are missing, ``AVG`` is refused,
+  ``allgather_coalesced`` fills torch's layout transposed, and ``alltoall_base`` ignores split sizes and
+  the group;
 - ``send``/``recv`` compile a pairwise ``collective_permute`` that only the two peers run, and a
   subgroup's collectives use the group alone as XLA replica groups; XLA on TPU needs replica groups
   that tile the whole world (pytorch/xla#8271).
@@ -21,7 +23,7 @@ the world go through host memory over gloo (``host_staged``); subgroups that do 
 pipe, model and expert groups — run XLA collectives with the full tiling as replica groups.
 ``tests/comm/test_xla_collectives_devices.py`` runs every op across 2 and 4 XLA devices.
 """
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -69,8 +71,8 @@ def tiling_mesh(ranks: Sequence[int], world_size: int) -> Optional[List[List[int
 
 # Ops a subgroup that cannot tile the world runs through host memory instead of XLA.
 _COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
-                "broadcast", "reduce", "reduce_scatter", "_reduce_scatter_base", "alltoall", "alltoall_base",
-                "gather", "scatter", "barrier")
+                "allgather_into_tensor_coalesced", "broadcast", "reduce", "reduce_scatter", "_reduce_scatter_base",
+                "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base", "gather", "scatter", "barrier")
 
 
 def _xla_or_host(name: str, xla_op: Callable) -> Callable:
@@ -161,16 +163,26 @@ def make_process_group_class():
             return _done(tensors)
 
         def allreduce(self, tensors, opts):
+            """One all-reduce of the tensors of each dtype, flattened into one: torch_xla's in-place list form
+            threads its per-device token through every collective, and a replay of DeepSpeed's calls hung on it."""
             kind, scale = self._reduction(opts.reduceOp)
 
             def op(staged):
-                xla_runtime.xm().all_reduce(kind, staged, scale=scale, groups=self._mesh, pin_layout=False)
+                by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+                for tensor in staged:
+                    by_dtype.setdefault(tensor.dtype, []).append(tensor)
+                for same in by_dtype.values():
+                    flat = torch.cat([t.reshape(-1) for t in same]) if len(same) > 1 else same[0].reshape(-1)
+                    result = xla_runtime.xm().all_reduce(kind, flat, scale=scale, groups=self._mesh, pin_layout=False)
+                    with torch.no_grad():
+                        for tensor, piece in zip(same, result.split([t.numel() for t in same])):
+                            tensor.copy_(piece.reshape(tensor.shape))
                 return _done(staged)
 
             return self._via_device(tensors, op)
 
         def allreduce_coalesced(self, tensors, opts):
-            """One all-reduce of every tensor (XLA reduces a tuple in one collective)."""
+            """One all-reduce of every tensor."""
             all_opts = dist.AllreduceOptions()
             all_opts.reduceOp = opts.reduceOp
             return self.allreduce(tensors, all_opts)
@@ -277,6 +289,26 @@ def make_process_group_class():
                     for outputs, piece in zip(output_lists, result.split(tensor.numel())):
                         outputs[index].copy_(piece.reshape(outputs[index].shape))
             return _done([t for outputs in output_lists for t in outputs])
+
+        def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+            """torch's coalescing manager around ``all_gather_into_tensor`` (ZeRO-1/2's gathering of the updated
+            partitions): one all-gather of every input."""
+            gathered = xla_runtime.xm().all_gather([t.reshape(-1) for t in inputs], 0, groups=self._mesh,
+                                                   pin_layout=False)
+            with torch.no_grad():
+                for output, result in zip(outputs, gathered):
+                    output.copy_(result.reshape(output.shape))
+            return _done(outputs)
+
+        def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+            """torch's coalescing manager around ``reduce_scatter_tensor``: one reduce-scatter of every input."""
+            kind, scale = self._reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+            chunks = xla_runtime.xm().reduce_scatter(kind, [t.reshape(-1) for t in inputs], scale, 0, self.size(),
+                                                     groups=self._mesh, pin_layout=False)
+            with torch.no_grad():
+                for output, chunk in zip(outputs, chunks):
+                    output.copy_(chunk.reshape(output.shape))
+            return _done(outputs)
 
         def barrier(self, opts=None):
             """A real barrier: every member contributes to a reduction whose value this process reads."""

@@ -98,6 +98,27 @@ def tensor_ops(rank, group, size: int, key: int):
         g.allgather_coalesced(outs, inputs, AllgatherOptions()).wait()
         return [t for ts in outs for t in ts]
 
+    def allgather_into_tensor_coalesced(g):
+        inputs = [x(120, (3,)), x(121, (2, 2))]
+        outs = [torch.zeros(size * 3, device=device), torch.zeros(size, 2, 2, device=device)]
+        if gloo:  # no coalesced form: one all-gather each, in the concatenated layout
+            for out, source in zip(outs, inputs):
+                g._allgather_base(out.view(-1), source.view(-1), AllgatherOptions()).wait()
+        else:
+            g.allgather_into_tensor_coalesced(outs, inputs).wait()
+        return outs
+
+    def reduce_scatter_tensor_coalesced(g):
+        inputs = [x(122, (size * 3,)), x(123, (size, 2))]
+        outs = [torch.zeros(3, device=device), torch.zeros(2, device=device)]
+        opts = _opts(ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
+        if gloo:  # no coalesced form: one reduce-scatter each
+            for out, source in zip(outs, inputs):
+                g._reduce_scatter_base(out, source.view(-1), opts).wait()
+        else:
+            g.reduce_scatter_tensor_coalesced(outs, inputs, opts).wait()
+        return outs
+
     def reduce_scatter_tensor(g):
         out = torch.zeros(3, device=device)
         g._reduce_scatter_base(out, x(57, (size * 3,)), _opts(ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)).wait()
@@ -148,7 +169,10 @@ def tensor_ops(rank, group, size: int, key: int):
     ops += [("allreduce_coalesced", allreduce_coalesced), ("allgather", allgather),
             ("allgather_into_tensor", allgather_into_tensor),
             ("allgather_into_stacked_tensor", allgather_into_stacked_tensor),
-            ("allgather_coalesced", allgather_coalesced), ("reduce_scatter_tensor", reduce_scatter_tensor),
+            ("allgather_coalesced", allgather_coalesced),
+            ("allgather_into_tensor_coalesced", allgather_into_tensor_coalesced),
+            ("reduce_scatter_tensor_coalesced", reduce_scatter_tensor_coalesced),
+            ("reduce_scatter_tensor", reduce_scatter_tensor),
             ("reduce_scatter_tensor_avg", reduce_scatter_tensor_avg), ("reduce_scatter_list", reduce_scatter_list),
             ("alltoall_even", alltoall_even), ("alltoall_uneven", alltoall_uneven), ("alltoall_list", alltoall_list),
             ("alltoall_list_uneven", alltoall_list_uneven)]
@@ -294,7 +318,8 @@ def test_each_op_is_one_collective_on_tiled_replica_groups_with_no_graph_cut(ran
 
 # Ops whose graph is the same on every member: run as one graph, with no cut of the harness around them.
 ONE_GRAPH = ("allreduce-sum-float32", "allreduce-avg-bfloat16", "allreduce_coalesced", "allgather",
-             "allgather_into_tensor", "allgather_coalesced", "reduce_scatter_tensor", "reduce_scatter_list",
+             "allgather_into_tensor", "allgather_coalesced", "allgather_into_tensor_coalesced",
+             "reduce_scatter_tensor_coalesced", "reduce_scatter_tensor", "reduce_scatter_list",
              "alltoall_even", "alltoall_list", "broadcast-root1", "reduce-root0")
 
 

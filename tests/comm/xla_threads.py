@@ -251,14 +251,15 @@ def main(target: str, world: int, out: str, isolate: bool = True) -> None:
                 for flavour, ranks in (("gloo", gloo), ("xla", xla))}, out)
 
 
-def run(target: str, world: int, workdir: Path, isolate: bool = True, timeout: float = 300) -> dict:
+def run(target: str, world: int, workdir: Path, isolate: bool = True, timeout: float = 300, **env_vars) -> dict:
     """Run ``target`` ("module:function", called with a ``Rank``) on ``world`` threads of gloo and of XLA devices,
-    in a child process; returns {flavour: {rank: {"results": ..., "facts": ...}}}."""
+    in a child process with ``env_vars`` set; returns {flavour: {rank: {"results": ..., "facts": ...}}}."""
     from tests.conftest import REPO, clean_env
     from tests.multiproc import run_command
-    out = workdir / f"{target.rsplit(':', 1)[1]}-{world}-{int(isolate)}.pt"
+    out = workdir / f"{target.rsplit(':', 1)[1]}-{world}-{int(isolate)}-{len(list(workdir.iterdir()))}.pt"
     env = clean_env(CPU_NUM_DEVICES=world, XLA_THREAD_POOL_SIZE=8, XLA_IO_THREAD_POOL_SIZE=8,
-                    PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), DS_ACCELERATOR=None)
+                    PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), DS_ACCELERATOR=None,
+                    **env_vars)
     result = run_command([sys.executable, "-m", "tests.comm.xla_threads", target, str(world), str(out),
                           str(int(isolate))], timeout, cwd=REPO, env=env)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
