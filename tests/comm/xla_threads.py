@@ -145,16 +145,16 @@ class Rank:
     def is_xla(self) -> bool:
         return self.flavour == "xla"
 
-    def group(self, ranks: Optional[Sequence[int]] = None):
+    def group(self, ranks: Optional[Sequence[int]] = None, tag: str = ""):
         """This rank's group of ``ranks`` (global, any order; None: the world, as the default group), or None
-        when it is not a member. An ``xla_ds`` group gets its replica groups as torch_xla's ``new_group`` sets
-        them; the reference is a gloo group of CPU tensors."""
+        when it is not a member; ``tag`` tells apart groups of the same ranks. An ``xla_ds`` group gets its
+        replica groups as torch_xla's ``new_group`` sets them; the reference is a gloo group of CPU tensors."""
         members = tuple(sorted(ranks)) if ranks is not None else tuple(range(self.world))
         if self.rank not in members:
             return None
-        key = (ranks is None, members)
+        key = (ranks is None, members, tag)
         if key not in self._groups:
-            store = dist.PrefixStore(f"{self.flavour}/{'world' if ranks is None else members}/",
+            store = dist.PrefixStore(f"{self.flavour}/{tag}/{'world' if ranks is None else members}/",
                                      self._runtime.store if self._runtime else _GLOO_STORE)
             if self.is_xla:
                 with self._runtime.build_lock:
