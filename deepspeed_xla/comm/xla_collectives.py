@@ -152,13 +152,17 @@ def make_process_group_class():
             return self._get_reduce_type(op), 1.0
 
         def _via_device(self, tensors: List[torch.Tensor], op: Callable[[List[torch.Tensor]], object]):
-            """Run ``op`` on device copies of CPU tensors and copy the results back."""
+            """Run ``op`` on device copies of CPU tensors and copy the results back.
+
+            Reading them back waits for the peers (the object collectives): the watchdog counts it as a wait, so
+            that a peer that ended meanwhile is this rank's failure instead of a wait for ever."""
             if all(t.device.type == "xla" for t in tensors):
                 return op(tensors)
             staged = [t if t.device.type == "xla" else t.to(self._device()) for t in tensors]
             op(staged)
-            for original, result in zip(tensors, staged):
-                if original is not result:
+            copies = [(original, result) for original, result in zip(tensors, staged) if original is not result]
+            with watchdog.waiting():
+                for original, result in copies:
                     original.copy_(result.cpu())
             return _done(tensors)
 
@@ -344,7 +348,8 @@ def make_process_group_class():
             out_splits = list(output_split_sizes) or [output.shape[0] // size] * size
             width = torch.tensor([max(in_splits + out_splits)], device=self._device())
             xm.all_reduce(xm.REDUCE_MAX, [width], groups=self._mesh, pin_layout=False)
-            width = int(width.cpu())
+            with watchdog.waiting():
+                width = int(width.cpu())
             stacked = pad_chunks(input, in_splits, width)
             exchanged = xm.all_to_all(stacked.reshape(size * width, *input.shape[1:]), 0, 0, size,
                                       groups=self._mesh, pin_layout=False)

@@ -46,7 +46,7 @@ def _run(rank, name: str, group, call: Callable) -> None:
     after = rank.counters()
     rank.report(name, *outputs)
     if rank.is_xla:
-        rank.facts[name] = {"reads": after["reads"] - before["reads"], "syncs": after["syncs"] - before["syncs"],
+        rank.facts[name] = {**{key: after[key] - before[key] for key in ("reads", "syncs", "waits")},
                             "collectives": after["collectives"][len(before["collectives"]):]}
 
 
@@ -280,6 +280,10 @@ def test_the_reference_sees_different_data_on_every_rank(ran):
     assert not torch.equal(gloo[0]["results"]["world/allreduce-sum-float32"], inputs[0].reshape(-1))
 
 
+def rank_size(ranks: Optional[List[int]], world: int) -> int:
+    return world if ranks is None else len(ranks)
+
+
 def _replica_groups(ranks: Optional[List[int]], world: int) -> str:
     if ranks is None:
         return "{}"
@@ -302,13 +306,15 @@ def test_each_op_is_one_collective_on_tiled_replica_groups_with_no_graph_cut(ran
         for name, facts in results["xla"][rank]["facts"].items():
             group, op = name.split("/")
             ranks = None if group == "world" else [int(r) for r in group[1:].split("-")]
-            if op == "object_sizes":
-                continue  # CPU tensors: staged through the device and read back, one collective each
-            size = world if ranks is None else len(ranks)
+            if op == "object_sizes":  # CPU tensors staged through the device, read back in one wait per op:
+                # the all-gather's input and outputs, the broadcast's tensor
+                assert facts["waits"] == 2 and facts["reads"] == 2 + rank_size(ranks, world), (rank, name, facts)
+                continue
+            size = rank_size(ranks, world)
             # the list form sends a group of one an even split
             uneven = op == "alltoall_uneven" or (op == "alltoall_list_uneven" and size > 1)
             assert facts["syncs"] == 0, (rank, name, facts)
-            assert facts["reads"] == (1 if uneven or op == "barrier" else 0), (rank, name, facts)
+            assert facts["reads"] == facts["waits"] == (1 if uneven or op == "barrier" else 0), (rank, name, facts)
             expected = 2 if uneven else 1  # an uneven all-to-all first agrees on its width
             kinds = [kind for kind, _ in facts["collectives"]]
             assert len(kinds) == expected, (rank, name, facts["collectives"])

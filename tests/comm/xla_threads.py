@@ -5,6 +5,7 @@ drives them a thread per device (``pjrt._run_thread_per_device``, what ``xmp.spa
 scenario then runs on gloo with CPU tensors, a thread per rank, as the reference. Stand-ins of the harness,
 each for a constraint of XLA:CPU or of running ranks as threads (docs/troubleshooting.md):
 
+- reads of device data, graph cuts and the watchdog's waits asked by the code under test are counted per thread;
 - every graph that may hold a collective is compiled and launched one at a time, under one lock, after the
   thread's device has gone idle: XLA:CPU matches a collective across devices by its HloModule id, and two
   threads compiling the same graph at once get two ids (a rendezvous timeout aborts the process);
@@ -18,6 +19,7 @@ It runs in a child process (``run``): a rendezvous timeout aborts the whole proc
     python -m tests.comm.xla_threads tests.comm.test_xla_ds_devices:collectives_scenario 4 OUT.pt
 """
 import concurrent.futures
+import contextlib
 import importlib
 import os
 import re
@@ -98,8 +100,18 @@ class _Runtime:
             runtime._count("syncs")
             runtime.cut()
 
+        from deepspeed_xla.comm import watchdog
+        waiting = watchdog.waiting
+
+        @contextlib.contextmanager
+        def counted_waiting():
+            runtime._count("waits")
+            with waiting():
+                yield
+
         torch.Tensor.cpu = counted_cpu
         self.torch_xla.sync = counted_sync
+        watchdog.waiting = counted_waiting
         for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute"):
             setattr(xm, name, self._recorded(getattr(xm, name)))
 
@@ -208,6 +220,7 @@ class Rank:
             return int(data[0]) if data else 0
 
         return {"reads": self._runtime.counter("reads"), "syncs": self._runtime.counter("syncs"),
+                "waits": self._runtime.counter("waits"),
                 "executions": count("ExecuteTime"),
                 "collectives": list(getattr(self._runtime.local, "collectives", []))}
 
