@@ -327,18 +327,17 @@ def errors_one_rank_sees_at_the_end_of_a_save():
         return call
 
     outcomes = {}
-    for name, patch in (("rename", ("rename", failing(rename, "/renamed", errno.EXDEV))),
-                        ("unnamed", ("replace", failing(replace, "/latest", errno.ENOSPC))),
-                        ("recovery_script", None)):
+    for tag, patch in (("renamed", ("rename", failing(rename, "/renamed", errno.EXDEV))),
+                       ("unnamed", ("replace", failing(replace, "/latest", errno.ENOSPC))),
+                       ("recovery_script", None)):
         if rank == 0 and patch:
             setattr(os, *patch)
-        if rank == 0 and name == "recovery_script":
+        if rank == 0 and tag == "recovery_script":
             (save_dir / "zero_to_fp32.py").unlink()
             (save_dir / "zero_to_fp32.py").mkdir()
-        outcomes[name] = _outcome(lambda: engine.save_checkpoint(str(save_dir), tag="renamed" if name == "rename"
-                                                                 else name))
+        outcomes[tag] = _outcome(lambda: engine.save_checkpoint(str(save_dir), tag=tag))
         os.rename, os.replace = rename, replace
-        outcomes[name].append((save_dir / "latest").read_text())
+        outcomes[tag].append((save_dir / "latest").read_text())
     if rank == 0:
         (save_dir / "zero_to_fp32.py").rmdir()
         (save_dir / "shared").mkdir(mode=0o777)
@@ -362,7 +361,7 @@ def test_an_error_one_rank_sees_at_the_end_of_a_save_is_raised_by_every_rank(tmp
     assert all(proc.returncode == 0 for proc in procs), "\n".join(proc.stderr[-4000:] for proc in procs)
     rank0, rank1 = (json.loads(proc.stdout.strip().splitlines()[-1]) for proc in procs)
     assert rank0 == rank1, (rank0, rank1)
-    renamed, latest, script = rank0["rename"], rank0["unnamed"], rank0["recovery_script"]
+    renamed, latest, script = rank0["renamed"], rank0["unnamed"], rank0["recovery_script"]
     assert renamed[0] == 18 and renamed[2] == "good", renamed
     assert (f"rank 0 could not give the complete checkpoint {save_dir}/renamed.saving the name renamed: [Errno 18] "
             "Invalid cross-device link" in renamed[1] and "a bucket with hierarchical namespace" in renamed[1]), renamed
