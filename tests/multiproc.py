@@ -291,6 +291,31 @@ def on_both_accelerators(launch: Callable[[str, Path], T], workdir: Path) -> Tup
         return jobs[0].result(), jobs[1].result()
 
 
+def trained_alike(xla: list, cpu: list, case: str) -> List[Tuple[dict, dict]]:
+    """Each rank's ``(xla, cpu)`` records of ``case`` (``records_on_both_accelerators``), once both trained it without
+    failing, with the same per-step losses and final weights (fp32)."""
+    pairs = []
+    for rank, (mine, theirs) in enumerate(zip(xla, cpu, strict=True)):
+        assert (mine["accelerator"], theirs["accelerator"]) == ("xla", "cpu"), rank
+        mine, theirs = mine[case], theirs[case]
+        assert "failed" not in theirs, f"CPU accelerator, rank {rank}:\n{theirs['failed']}"
+        assert "failed" not in mine, f"XLA, rank {rank}:\n{mine['failed']}"
+        assert within(mine["losses"], theirs["losses"], **LOSS_TOLERANCE["float32"]), (
+            rank, mine["losses"], theirs["losses"])
+        assert mine["params"].keys() == theirs["params"].keys() != set()
+        for name, values in mine["params"].items():
+            assert within(values, theirs["params"][name], **PARAM_TOLERANCE["float32"]), (rank, name)
+        pairs.append((mine, theirs))
+    return pairs
+
+
+def records_on_both_accelerators(target: str, world_size: int, workdir: Path, out_env: str) -> Tuple[list, list]:
+    """``(xla, cpu)``: ``run_rank_records(target)`` on each accelerator, the two jobs run concurrently; each a list of
+    per-rank records (a module training its cases in turn, ``record_cases``)."""
+    return on_both_accelerators(lambda accelerator, out: run_rank_records(target, accelerator, world_size, out, out_env),
+                                workdir)
+
+
 TRAIN = REPO / "scripts" / "train.py"
 TRAIN_MANY = REPO / "tests" / "train_many.py"
 WARMUP_STEPS = 3  # scripts/train.py's default --warmup-steps

@@ -8,13 +8,12 @@ it saw (values, or the error a call raised) as JSON, and ``test_fragment_api[<co
 run's record with the CPU run's, key by key.
 """
 import math
-from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import pytest
 import torch
 
-from tests.multiproc import on_both_accelerators, record_cases, run_rank_records
+from tests.multiproc import record_cases, records_on_both_accelerators
 
 WORLD = 2
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -166,14 +165,10 @@ def rank_main() -> None:
     record_cases(CONFIGS, exercise, OUT_ENV)
 
 
-def launch(accelerator: str, out: Path) -> list:
-    return run_rank_records(f"{__name__}:rank_main", accelerator, WORLD, out, OUT_ENV)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``(xla, cpu)``: each a list of per-rank records, the two launches run concurrently."""
-    return on_both_accelerators(launch, tmp_path_factory.mktemp("fragment"))
+    return records_on_both_accelerators(f"{__name__}:rank_main", WORLD, tmp_path_factory.mktemp("fragment"), OUT_ENV)
 
 
 def differences(xla: dict, cpu: dict, tolerance: float) -> list:

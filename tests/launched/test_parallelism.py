@@ -5,13 +5,11 @@ ZeRO-3, AutoTP tensor parallelism 2 on a Llama from a config, and Ulysses sequen
 One 2-rank launch per accelerator trains every case in turn on a tiny model with the same data and seed; each rank
 writes its per-step losses, its final weights and, on XLA, the graph counters after the warm-up steps and at the end.
 """
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.multiproc import (LOSS_TOLERANCE, PARAM_TOLERANCE, on_both_accelerators, record_cases, run_rank_records,
-                             within)
+from tests.multiproc import record_cases, records_on_both_accelerators, trained_alike
 
 WORLD, STEPS, WARMUP = 2, 6, 3
 VOCAB, HIDDEN, HEADS, SEQ, BATCH = 16, 8, 2, 8, 4
@@ -181,14 +179,10 @@ def rank_main() -> None:
     record_cases(CASES, train, OUT_ENV)
 
 
-def launch(accelerator: str, out: Path) -> list:
-    return run_rank_records(f"{__name__}:rank_main", accelerator, WORLD, out, OUT_ENV)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``(xla, cpu)``: each a list of per-rank records, the two launches run concurrently."""
-    return on_both_accelerators(launch, tmp_path_factory.mktemp("parallelism"))
+    return records_on_both_accelerators(f"{__name__}:rank_main", WORLD, tmp_path_factory.mktemp("parallelism"), OUT_ENV)
 
 
 # PJRT CPU has no XLA collectives, so each host-staged collective (or batch of collectives run together) first runs the
@@ -204,17 +198,7 @@ def counts_per_step(counters: dict) -> dict:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_trains_like_cpu_accelerator(runs, case):
-    xla, cpu = runs
-    for rank in range(WORLD):
-        assert (xla[rank]["accelerator"], cpu[rank]["accelerator"]) == ("xla", "cpu"), rank
-        assert "failed" not in cpu[rank][case], f"CPU accelerator, rank {rank}:\n{cpu[rank][case]['failed']}"
-        assert "failed" not in xla[rank][case], f"XLA, rank {rank}:\n{xla[rank][case]['failed']}"
-        mine, theirs = xla[rank][case], cpu[rank][case]
-        assert within(mine["losses"], theirs["losses"], **LOSS_TOLERANCE["float32"]), (
-            rank, mine["losses"], theirs["losses"])
-        assert mine["params"].keys() == theirs["params"].keys() != set()
-        for pname, values in mine["params"].items():
-            assert within(values, theirs["params"][pname], **PARAM_TOLERANCE["float32"]), (rank, pname)
+    for rank, (mine, _) in enumerate(trained_alike(*runs, case)):
         # No host read in the steps, and nothing compiles after warm-up.
         assert counts_per_step(mine["counters"]) == {"compilations": 0, "executions": EXECUTIONS_PER_STEP[case],
                                                      "transfers_to_host": 0}, rank

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiproc import (LOSS_TOLERANCE, PARAM_TOLERANCE, on_both_accelerators, record_cases, run_rank_records,
-                             within)
+from tests.multiproc import PARAM_TOLERANCE, record_cases, records_on_both_accelerators, trained_alike, within
 
 WORLD, STEPS, WARMUP = 2, 6, 3
 CLASSES, HIDDEN, BLOCKS, SEQ, BATCH = 64, 8, 3, 4, 2
@@ -138,14 +137,10 @@ def rank_main() -> None:
     record_cases(CASES, train, OUT_ENV)
 
 
-def launch(accelerator: str, out: Path) -> list:
-    return run_rank_records(f"{__name__}:rank_main", accelerator, WORLD, out, OUT_ENV)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``(xla, cpu)``: each a list of per-rank records, the two launches run concurrently."""
-    return on_both_accelerators(launch, tmp_path_factory.mktemp("zero3_options"))
+    return records_on_both_accelerators(f"{__name__}:rank_main", WORLD, tmp_path_factory.mktemp("zero3_options"), OUT_ENV)
 
 
 def per_step(counters: list) -> list:
@@ -165,17 +160,7 @@ EXECUTIONS_PER_STEP = {"prefetch-0": 11, "prefetch-small": 7, "defaults": 4, "li
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_trains_like_cpu_accelerator(runs, case):
-    xla, cpu = runs
-    for rank in range(WORLD):
-        assert (xla[rank]["accelerator"], cpu[rank]["accelerator"]) == ("xla", "cpu"), rank
-        assert "failed" not in cpu[rank][case], f"CPU accelerator, rank {rank}:\n{cpu[rank][case]['failed']}"
-        assert "failed" not in xla[rank][case], f"XLA, rank {rank}:\n{xla[rank][case]['failed']}"
-        mine, theirs = xla[rank][case], cpu[rank][case]
-        assert within(mine["losses"], theirs["losses"], **LOSS_TOLERANCE["float32"]), (
-            rank, mine["losses"], theirs["losses"])
-        assert mine["params"].keys() == theirs["params"].keys() != set()
-        for name, values in mine["params"].items():
-            assert within(values, theirs["params"][name], **PARAM_TOLERANCE["float32"]), (rank, name)
+    for rank, (mine, theirs) in enumerate(trained_alike(*runs, case)):
         assert mine["leaves"] == theirs["leaves"] == LEAVES.get(case, []), (rank, mine["leaves"], theirs["leaves"])
         # Nothing compiles after the warm-up, no step reads the device, and every step runs the same graphs.
         steps = per_step(mine["counters"])
