@@ -33,14 +33,17 @@ class FailureRecord:
         self.rank, self._store = rank, store
         self._signer = signer or Signer(rank)
         self.raised = False  # this rank is ending with an uncaught exception (its traceback says why)
+        self._counted = False  # this rank is in the store's count of ended ranks
         self._stopped_by: Optional[int] = None  # the thread that stops this rank, once one does
         self._stop_lock = threading.RLock()  # re-entered by a signal handler on the main thread
         self.process_ends = threading.Event()  # what a second stop waits on: the first one ends the process
 
     def mark_ended(self, how: str) -> None:
-        """This rank is ``done`` (finished) or ``stopped`` (for the job's failure): once per rank."""
+        """This rank is ``done`` (finished) or ``stopped`` (for the job's failure). Counted once, however often it
+        is said (``os._exit(0)`` from an exit handler after the watchdog's own)."""
         self._store.set(f"{how}/{self.rank}", "1")
-        if self.rank != 0:
+        if self.rank != 0 and not self._counted:
+            self._counted = True
             self._store.add(ENDED, 1)
 
     def published(self) -> Optional[str]:

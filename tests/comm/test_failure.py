@@ -103,3 +103,15 @@ def test_a_failure_read_from_the_store_is_printed_as_one_bounded_line(exits, cap
     line = capsys.readouterr().err
     assert line.startswith("[deepspeed_xla] rank 1 stops: rank 3 raised \\x1b[31mX\\nrank 5 stops: fakeyyy"), line
     assert line.endswith(" more characters)\n") and line.count("\n") == 1 and len(line) < failure.LONGEST + 100
+
+
+def test_a_rank_is_counted_once_among_the_ended_ones():
+    """Rank 0 leaves, taking the store, once the count reaches the other ranks: a rank said twice would end it early."""
+    store = _FailureStore()
+    record = failure.FailureRecord(store, 2)
+    record.mark_ended("done")
+    record.mark_ended("done")
+    record.mark_ended("stopped")
+    assert store.values[failure.ENDED] == 1 and store.values["done/2"] == store.values["stopped/2"] == "1"
+    failure.FailureRecord(store, 0).mark_ended("done")  # rank 0 waits for the others: it is not in their count
+    assert store.values[failure.ENDED] == 1
