@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import os
 import sys
+from datetime import timedelta
 from typing import Optional
 
 SECRET_ENV = "DS_XLA_JOB_SECRET"
@@ -45,3 +46,17 @@ class Signer:
                              f"store: it is not signed with this job's {SECRET_ENV} (another program reached the "
                              f"store, or the ranks were given different secrets)\n")
         return None
+
+
+def same_secret(store, rank: int, signer: Signer, timeout: timedelta) -> None:
+    """Every rank has rank 0's secret, or none has one: each ignoring the others' values would leave failures
+    unnamed and the checkpoint on SIGTERM unsaved. Compares a value signed with each rank's secret (never the
+    secret) with rank 0's, which it waits for up to ``timeout``."""
+    mine = signer.sign("secret", "deepspeed_xla").encode()
+    store.set(f"secret/{rank}", mine)
+    if rank == 0:
+        return
+    store.wait(["secret/0"], timeout)
+    if store.get("secret/0") != mine:
+        raise ValueError(f"{SECRET_ENV} differs between rank 0 and rank {rank} (set on one of them only, or to "
+                         "different values): set one value on every host, or unset it on every host.")

@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Callable, NoReturn, Optional
 
 from deepspeed_xla.comm import failure
+from deepspeed_xla.comm.authentication import same_secret
 from deepspeed_xla.comm.failure import EXIT_CODE, TERMINATED_EXIT_CODE
 from deepspeed_xla.comm.heartbeat import Watchdog, store_lost
 from deepspeed_xla.comm.preemption import SAVE_DIR_ENV, CheckpointOnSigterm, save_dir_setting
@@ -51,6 +52,7 @@ def start(store, rank: int, size: int, timeout: timedelta) -> None:
     if rank == 0:
         enough_files(size)
     _watchdog = build(store, rank, size, heartbeat_timeout(), timeout.total_seconds(), checkpoint_dir)
+    same_secret(_watchdog._store, rank, _watchdog.signer, timeout)
     _watchdog.start()
     previous_hook = sys.excepthook
 

@@ -54,3 +54,17 @@ def test_a_forged_checkpoint_step_saves_nothing(store, tmp_path, monkeypatch):
     assert not rank1.step_ended(4)
     rank1.sigterm()
     assert [rank0.step_ended(5), rank0.step_ended(6), rank1.step_ended(6)] == [False, True, True]
+
+
+@pytest.mark.parametrize("secrets, agree", [(("topsecret", "topsecret"), True), (("", ""), True),
+                                            (("topsecret", ""), False), (("", "topsecret"), False),
+                                            (("topsecret", "other"), False)])
+def test_every_rank_has_rank_0s_secret_or_none_has_one(store, secrets, agree):
+    for rank, secret in enumerate(secrets):
+        if agree or rank == 0:
+            authentication.same_secret(store, rank, authentication.Signer(rank, secret), timedelta(seconds=5))
+        else:
+            with pytest.raises(ValueError, match="DS_XLA_JOB_SECRET differs between rank 0 and rank 1 .* set one "
+                                                 "value on every host, or unset it on every host"):
+                authentication.same_secret(store, rank, authentication.Signer(rank, secret), timedelta(seconds=5))
+    assert b"topsecret" not in store.get("secret/0")  # what is compared is signed with the secret, not the secret
