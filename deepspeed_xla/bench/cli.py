@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from deepspeed_xla.bench import driver, results
 from deepspeed_xla.bench.example import find_train_script
+from deepspeed_xla.bench.roofline import TPUS
 from deepspeed_xla.bench.systems import (DEFAULT_SYSTEMS, NAMING, feature_list, flops_per_token, matmul_params,
                                          parse_system, zero_option)
 from deepspeed_xla.bench.workers import WORKERS
@@ -39,6 +40,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--skip-bandwidth", action="store_true", help="skip the all-reduce bandwidth comparison")
     parser.add_argument("--bandwidth-mb", type=int, default=64)
     parser.add_argument("--bandwidth-iters", type=int, default=10)
+    parser.add_argument("--cost", action="store_true",
+                        help="also count each system's step graph from its HLO (XLA's dump): FLOPs, element "
+                             "operations, bytes, collectives, and a roofline estimate of the step on --tpu")
+    parser.add_argument("--tpu", choices=sorted(TPUS), default="v5e", help="the TPU generation of --cost's estimate")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--png", help="draw step times and tokens/s into this PNG (needs matplotlib)")
     parser.add_argument("--train-script", help="scripts/train.py of a deepspeed-xla checkout (default: found)")

@@ -2,13 +2,14 @@
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from deepspeed_xla.bench.results import bandwidth_summary, summarize
+from deepspeed_xla.bench.results import bandwidth_summary, cost_summary, summarize
 from deepspeed_xla.bench.systems import LR, WEIGHT_DECAY, System, ds_config, train_flags
 from deepspeed_xla.launch_env import free_port
 
@@ -89,13 +90,21 @@ def run_system(system: System, args: argparse.Namespace, train_script: Path, wor
         target = (trainer_arguments(args, train_script, config, out, workdir) if system.trainer
                   else train_arguments(args, train_script, config, out, system))
         cmd = deepspeed_command(system.procs, target)
+    env = child_env(system.accelerator, system.procs)
+    dumps = workdir / f"{system.name}.hlo" if args.cost and system.accelerator != "cpu" else None
+    if dumps:  # the ranks' modules, in one folder: ZeRO's data-parallel ranks compile the same step graph
+        shutil.rmtree(dumps, ignore_errors=True)
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dumps} --xla_dump_hlo_as_text".strip()
     print(f"[bench] {system.name} ...", file=sys.stderr, flush=True)
-    error = run(cmd, child_env(system.accelerator, system.procs), log, args.timeout)
+    error = run(cmd, env, log, args.timeout)
     load = os.getloadavg()[0]  # the last minute of this system's run, its own processes included
     if error:
         print(f"[bench] {system.name} failed: {error}", file=sys.stderr, flush=True)
         return {"system": system.name, "error": error}
-    return dict(summarize(system, read_ranks(out, system.procs), args, peak_flops), load_average=load)
+    row = dict(summarize(system, read_ranks(out, system.procs), args, peak_flops), load_average=load)
+    if dumps:
+        row["cost"] = cost_summary(system, dumps, args)
+    return row
 
 
 def run_bandwidth(args: argparse.Namespace, workdir: Path) -> dict:

@@ -2,8 +2,11 @@
 import argparse
 import json
 import statistics
+from pathlib import Path
 from typing import List, Optional
 
+from deepspeed_xla.bench.cost import step_cost, step_module
+from deepspeed_xla.bench.roofline import TPUS, estimate
 from deepspeed_xla.bench.systems import System, flops_per_token
 
 RATIO_TARGETS = {0: 1.10, 1: 1.10, 2: 1.10, 3: 1.25}  # step time of xla-zero<stage>-1p over the floor's
@@ -38,6 +41,20 @@ def summarize(system: System, ranks: List[dict], args: argparse.Namespace, peak_
             flops = flops_per_token(args.dim, args.layers, args.vocab, args.seq)
             row["mfu"] = flops * tokens_per_s / (system.procs * peak_flops)
     return row
+
+
+def cost_summary(system: System, dumps: Path, args: argparse.Namespace) -> dict:
+    """The ``cost`` object of a row: the step graph's counts (``bench.cost``), the analytic FLOPs of the tokens
+    one device trains a step, and the roofline estimate on ``args.tpu``."""
+    try:
+        module = step_module(dumps)
+    except FileNotFoundError as error:
+        return {"error": str(error)}
+    cost = step_cost(module.read_text())
+    tokens = system.data_parallel * args.batch * args.seq / system.procs
+    model_flops = flops_per_token(args.dim, args.layers, args.vocab, args.seq) * tokens
+    return dict(cost, module=str(module), model_flops=model_flops,
+                estimate=estimate(cost, TPUS[args.tpu], model_flops, system.procs))
 
 
 def median_run(runs: List[dict]) -> dict:
@@ -143,11 +160,38 @@ COLUMNS = [  # header, row key, format of a present value
 ]
 
 
-def format_table(rows: List[dict]) -> str:
+COST_COLUMNS = [  # header, key of the row's cost object, format; the estimate's keys are under "estimate"
+    ("system", "system", str),
+    ("dot GFLOP", "dot_flops", lambda v: f"{v / 1e9:.3f}"),
+    ("x model FLOPs", "dot_over_model", lambda v: f"{v:.3f}"),
+    ("elementwise Mops", "elementwise_ops", lambda v: f"{v / 1e6:.2f}"),
+    ("reduction Mops", "reduction_ops", lambda v: f"{v / 1e6:.2f}"),
+    ("moved M elements", "movement_elements", lambda v: f"{v / 1e6:.2f}"),
+    ("read MB", "bytes_read", _mb),
+    ("written MB", "bytes_written", _mb),
+    ("collectives", "collective_count", str),
+    ("collective MB", "collective_bytes", _mb),
+    ("est. step ms", "step_s", lambda v: f"{v * 1e3:.3f}"),
+    ("est. MFU", "mfu", lambda v: f"{v:.1%}"),
+]
+
+
+def cost_rows(rows: List[dict]) -> List[dict]:
+    """The cost objects of the rows that have one, flattened for ``COST_COLUMNS``."""
+    flat = []
+    for row in rows:
+        cost = row.get("cost")
+        if cost and "error" not in cost:
+            flat.append(dict(cost, **cost["estimate"], system=row["system"], collective_count=len(cost["collectives"]),
+                             dot_over_model=cost["dot_flops"] / cost["model_flops"]))
+    return flat
+
+
+def format_table(rows: List[dict], columns: Optional[list] = None) -> str:
     """The rows as a text table; '-' where a system has no such figure, the MFU and train.py columns only where one
     has it."""
     optional = ("mfu", "ratio_to_loop")
-    columns = [c for c in COLUMNS if c[1] not in optional or any(row.get(c[1]) is not None for row in rows)]
+    columns = [c for c in columns or COLUMNS if c[1] not in optional or any(row.get(c[1]) is not None for row in rows)]
     cells = [[header for header, _, _ in columns]]
     for row in rows:
         cells.append([fmt(row[key]) if row.get(key) is not None else ("failed" if "error" in row and i == 1 else "-")
@@ -170,6 +214,14 @@ def render(report: dict) -> str:
     if report.get("zero_options"):
         lines[0] += f"; zero_optimization {json.dumps(report['zero_options'])}"
     lines += ["", format_table(report["systems"])]
+    costs = cost_rows(report["systems"])
+    if costs:
+        tpu = TPUS[costs[0]["tpu"]]
+        lines += ["", f"cost of a step, counted in each system's step graph (HLO before XLA's optimizations); est.: "
+                      f"an ESTIMATE on one TPU {tpu.name} chip ({tpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, "
+                      f"HBM {tpu.hbm_bytes_per_s / 1e9:.0f} GB/s, ICI {tpu.ici_bytes_per_s / 1e9:.0f} GB/s), "
+                      "max(FLOPs/peak, bytes/HBM) + collective bytes/ICI, not a measurement",
+                  format_table(costs, COST_COLUMNS)]
     bandwidth = report.get("bandwidth")
     if bandwidth and "ratio" in bandwidth:
         lines += ["", f"all-reduce of {bandwidth['bytes'] >> 20} MB, 2 processes: {bandwidth['backend']} on the device "
@@ -185,6 +237,8 @@ def render(report: dict) -> str:
             f"  {'met' if t['met'] else 'MISSED':6}  {t['what']}: {t['value']:.3g} (target {t['limit']})"
             for t in report["targets"]]
     failures = [f"{row['system']}: {row['error']}" for row in report["systems"] if "error" in row]
+    failures += [f"{row['system']} cost: {row['cost']['error']}" for row in report["systems"]
+                 if "error" in row.get("cost", {})]
     if bandwidth and "error" in bandwidth:
         failures.append(f"all-reduce bandwidth: {bandwidth['error']}")
     if failures:

@@ -1,0 +1,137 @@
+"""``bench.cost`` and ``bench.roofline``: the parser on handwritten HLO, the estimate's formula, and the floor's
+counted dot FLOPs against the analytic model (the test that the accounting is right)."""
+import json
+import math
+import sys
+
+import pytest
+
+from deepspeed_xla.bench import cost, roofline, systems
+from tests.conftest import REPO, clean_env
+from tests.multiproc import run_command
+
+REDUCTION = """
+%add.1 (x.2: f32[], y.3: f32[]) -> f32[] {
+  %x.2 = f32[] parameter(0)
+  %y.3 = f32[] parameter(1)
+  ROOT %add.4 = f32[] add(f32[] %x.2, f32[] %y.3)
+}
+"""
+
+BATCHED_DOT = "HloModule dots, entry_computation_layout={(f32[16,64,32]{2,1,0})->f32[]}\n" + REDUCTION + """
+ENTRY %main.10 (p0.1: f32[16,64,32], p1.2: bf16[16,32,48]) -> (f32[16,64,48], f32[16,64]) {
+  %p0.1 = f32[16,64,32]{2,1,0} parameter(0)
+  %p1.2 = bf16[16,32,48]{2,1,0} parameter(1)
+  %convert.3 = f32[16,32,48]{2,1,0} convert(%p1.2)
+  %dot.4 = f32[16,64,48]{2,1,0} dot(%p0.1, %convert.3), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+  %constant.5 = f32[] constant(0)
+  %reduce.6 = f32[16,64]{1,0} reduce(f32[16,64,48]{2,1,0} %dot.4, f32[] %constant.5), dimensions={2}, to_apply=%add.1
+  ROOT %tuple.7 = (f32[16,64,48]{2,1,0}, /*index=1*/f32[16,64]{1,0}) tuple(%dot.4, %reduce.6)
+}
+"""
+
+
+def test_dot_with_batch_dims_counts_2_m_n_k_per_batch():
+    counted = cost.step_cost(BATCHED_DOT)
+    assert counted["dot_flops"] == 2 * 16 * 64 * 48 * 32
+    # the convert's elements are elementwise work; the reduction computation's add is not (it is the reduce's own)
+    assert counted["elementwise_ops"] == 16 * 32 * 48
+    assert counted["reduction_ops"] == 16 * 64 * 48
+    assert counted["bytes_read"] == 16 * 64 * 32 * 4 + 16 * 32 * 48 * 2  # f32 and bf16 parameters
+    assert counted["bytes_written"] == (16 * 64 * 48 + 16 * 64) * 4  # both leaves of the root tuple
+    assert counted["collectives"] == []
+
+
+COLLECTIVES = "HloModule collectives\n" + REDUCTION + """
+ENTRY %main (p0: f32[1024], p1: bf16[256], p2: s32[8], p3: pred[4]) -> (f32[1024], bf16[256], s32[8]) {
+  %p0 = f32[1024]{0} parameter(0)
+  %p1 = bf16[256]{0} parameter(1)
+  %p2 = s32[8]{0} parameter(2)
+  %p3 = pred[4]{0} parameter(3)
+  %all-reduce.1 = f32[1024]{0} all-reduce(%p0), replica_groups={{0,1},{2,3}}, to_apply=%add.1
+  %all-reduce.2 = (bf16[256]{0}, s32[8]{0}) all-reduce(bf16[256]{0} %p1, s32[8]{0} %p2), channel_id=1, replica_groups=[1,4]<=[4], to_apply=%add.1
+  %all-gather.3 = f32[4096]{0} all-gather(%all-reduce.1), replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}
+  %reduce-scatter.4 = f32[256]{0} reduce-scatter(%all-reduce.1), replica_groups={}, dimensions={0}, to_apply=%add.1
+  %collective-permute.5 = pred[4]{0} collective-permute(%p3), source_target_pairs={{0,1},{1,0}}
+  %gte.6 = bf16[256]{0} get-tuple-element(%all-reduce.2), index=0
+  %gte.7 = s32[8]{0} get-tuple-element(%all-reduce.2), index=1
+  ROOT %tuple.8 = (f32[1024]{0}, bf16[256]{0}, s32[8]{0}) tuple(%all-reduce.1, %gte.6, %gte.7)
+}
+"""
+
+
+def test_collectives_kinds_groups_and_bytes():
+    counted = cost.step_cost(COLLECTIVES)
+    assert counted["collectives"] == [
+        {"kind": "all-reduce", "bytes": 4096, "replica_groups": [[0, 1], [2, 3]]},
+        {"kind": "all-reduce", "bytes": 256 * 2 + 8 * 4, "replica_groups": [[0, 1, 2, 3]]},  # a tuple: both leaves
+        {"kind": "all-gather", "bytes": 4096 * 4, "replica_groups": [[0, 2], [1, 3]]},  # the gathered result
+        {"kind": "reduce-scatter", "bytes": 4096, "replica_groups": None},  # the whole operand; {}: every replica
+        {"kind": "collective-permute", "bytes": 4, "replica_groups": None, "source_target_pairs": [[0, 1], [1, 0]]}]
+    assert counted["collective_bytes"] == 4096 + 544 + 16384 + 4096 + 4
+    assert counted["elementwise_ops"] == 0  # the all-reduces' to_apply adds are not model work
+    assert counted["bytes_read"] == 4096 + 512 + 32 + 4
+
+
+def test_roofline_estimate_formula():
+    v5e = roofline.TPUS["v5e"]
+    counted = {"dot_flops": 197e9, "bytes_read": 819e6, "bytes_written": 819e6,
+               "collectives": cost.step_cost(COLLECTIVES)["collectives"]}
+    got = roofline.estimate(counted, v5e, model_flops=98.5e9, world_size=4)
+    # wire bytes by a ring: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, a permute all of it
+    wire = 4096 * 2 * 1 / 2 + 544 * 2 * 3 / 4 + 16384 * 1 / 2 + 4096 * 3 / 4 + 4
+    assert got["collective_wire_bytes"] == pytest.approx(wire)
+    assert got["compute_s"] == pytest.approx(1e-3) and got["memory_s"] == pytest.approx(2e-3)
+    assert got["step_s"] == pytest.approx(2e-3 + wire / 400e9)  # memory-bound here: max() takes the HBM time
+    assert got["mfu"] == pytest.approx(98.5e9 / (got["step_s"] * 197e12))
+
+
+def test_step_module_is_the_last_compiled_of_the_most_dots(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--xla_dump_hlo_as_text"):
+        cost.step_module(tmp_path)
+    for index, text in enumerate([BATCHED_DOT, BATCHED_DOT, COLLECTIVES]):
+        (tmp_path / f"module_{index:04d}.SyncTensorsGraph.{index}.before_optimizations.txt").write_text(text)
+    assert cost.step_module(tmp_path).name.startswith("module_0001.")
+
+
+def test_module_without_entry_names_the_fix():
+    with pytest.raises(ValueError, match="before_optimizations"):
+        cost.step_cost(REDUCTION)
+
+
+def test_floor_dot_flops_are_the_analytic_model(tmp_path):
+    """``--cost`` on the floor (a hand-written torch_xla loop of TinyGPT): the step graph's dot FLOPs are the
+    analytic 6·N + 12·L·T·d per token within 2 %, and exactly that model over the matrices alone (N counts biases
+    and LayerNorm weights too, which multiply nothing: 1.5 % of N at width 64)."""
+    dim, layers, seq, batch, vocab = 64, 2, 16, 2, 64
+    out = tmp_path / "bench.json"
+    proc = run_command([sys.executable, "-m", "deepspeed_xla.bench", "--systems", "floor", "--steps", "3",
+                        "--warmup", "2", "--dim", str(dim), "--layers", str(layers), "--seq", str(seq), "--batch",
+                        str(batch), "--vocab", str(vocab), "--skip-bandwidth", "--cost", "--tpu", "v6e", "--out",
+                        str(out), "--workdir", str(tmp_path / "work")], 600, cwd=REPO, env=clean_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    (floor,) = json.loads(out.read_text())["systems"]
+    counted, tokens = floor["cost"], batch * seq
+    analytic = systems.flops_per_token(dim, layers, vocab, seq) * tokens
+    assert counted["model_flops"] == analytic
+    assert counted["dot_flops"] == pytest.approx(analytic, rel=0.02)
+    matrices = layers * 12 * dim * dim + dim * vocab  # qkv, proj, the MLP's two and the head
+    assert counted["dot_flops"] == (6 * matrices + 12 * layers * seq * dim) * tokens
+    assert counted["collectives"] == [] and counted["bytes_read"] > 0
+    estimate = counted["estimate"]
+    assert estimate["tpu"] == "v6e" and math.isclose(
+        estimate["step_s"], max(counted["dot_flops"] / 918e12,
+                                (counted["bytes_read"] + counted["bytes_written"]) / 1638e9))
+    assert "ESTIMATE on one TPU v6e chip" in proc.stdout
+
+
+def test_newer_printing_without_percent_signs_or_signature():
+    text = """HloModule m
+ENTRY main {
+  p0 = f32[4,8]{1,0} parameter(0)
+  p1 = f32[8,2]{1,0} parameter(1)
+  ROOT d = f32[4,2]{1,0} dot(p0, p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    counted = cost.step_cost(text)
+    assert (counted["dot_flops"], counted["bytes_read"], counted["bytes_written"]) == (2 * 4 * 2 * 8, 4 * 48, 4 * 8)
