@@ -24,7 +24,8 @@ fi
 # The oldest supported Hugging Face releases (deepspeed_xla/patches/registry.py, SUPPORTED), for the smoke runs of
 # tests/launched/test_huggingface_oldest.py only: installed without dependencies into a folder of the venv keyed on
 # them, which those runs put first on PYTHONPATH. The venv itself holds the newest (requirements.txt).
-DSX_HF_OLDEST_SET="$(python -c "from deepspeed_xla.patches.registry import oldest_requirements; print(*oldest_requirements())")"
+DSX_HF_OLDEST_SET="$(python -c \
+  "from deepspeed_xla.patches.registry import oldest_requirements; print(*oldest_requirements())")"
 export DSX_HF_OLDEST="$DSX_VENV/hf-oldest-$(echo "$DSX_HF_OLDEST_SET" | sha256sum | cut -c1-12)"
 if [ ! -f "$DSX_HF_OLDEST/.complete" ]; then
   rm -rf "$DSX_HF_OLDEST"

@@ -5,8 +5,9 @@ the XLA accelerator is DeepSpeed's. ``tests/patches/test_table.py`` fails when a
 The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine``, ``zero``, ``precision``,
 ``grad_checks``, ``config``, ``compiler``, ``launcher``, ``comm``, ``tensor_parallel``, the two places where the
 Hugging Face stack runs DeepSpeed (``accelerate``, ``trainer``) and transformers' ``hub_kernels``, which cannot serve
-XLA; ``registry`` defines ``Patch``, the supported releases and how a patch is checked and applied. Their figures: (docs/performance.md, 'Why the patches exist'). One change is not in the table
-because it must come before its target's import: ``stablehlo`` (torch_xla's exporter, loaded at first use).
+XLA; ``registry`` defines ``Patch``, the supported releases and how a patch is checked and applied. Their figures:
+(docs/performance.md, 'Why the patches exist'). One change is not in the table because it must come before its
+target's import: ``stablehlo`` (torch_xla's exporter, loaded at first use).
 """
 import sys
 import warnings
@@ -17,7 +18,7 @@ from deepspeed_xla.patches import (accelerate, comm, compiler, config, engine, g
                                   precision, tensor_parallel, trainer, zero)
 # WRITTEN_FOR, VERSIONS, SUPPORTED, Patch, is_applied, source_digest and upstream_digest are this package's API too.
 from deepspeed_xla.patches.registry import (SUPPORTED, VERSIONS, WRITTEN_FOR, Patch, _apply, in_range, is_applied,
-                                            label, requirement, source_digest, supported, upstream_digest)
+                                            label, releases, requirement, source_digest, upstream_digest)
 
 
 # DeepSpeed imports has_inf_or_nan by name, so every importing module's binding is patched.
@@ -169,12 +170,10 @@ _REPORTED = set()
 
 
 def _outside_range(distribution: str, installed: str, changed: list) -> str:
-    lowest, highest = supported(distribution)
-    releases = lowest if lowest == highest else f"{lowest} to {highest}"
     found = f"changed: {', '.join(changed)}" if changed else "none changed"
     return (f"deepspeed_xla: {distribution} {installed} is outside the releases its patches are tested with "
-            f"({releases}; pip install '{requirement(distribution)}'). Of the functions it patches (checked as each "
-            f"module loads), {found}.")
+            f"({releases(distribution)}; pip install '{requirement(distribution)}'). Of the functions it patches "
+            f"(checked as each module loads), {found}.")
 
 
 def on_module_loaded(module) -> None:

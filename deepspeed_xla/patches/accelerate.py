@@ -56,9 +56,9 @@ def refuses_dropped_deepspeed(original):
             raise RuntimeError(
                 f"accelerate was asked for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true) but chose "
                 f"{self.distributed_type}, "
-                "so the DeepSpeed config would not be used. deepspeed_xla patches accelerate's choice for the accelerate "
-                f"releases it is tested with: pip install '{requirement('accelerate')}', or report this accelerate "
-                "version.")
+                "so the DeepSpeed config would not be used. deepspeed_xla patches accelerate's choice for the "
+                f"accelerate releases it is tested with: pip install '{requirement('accelerate')}', or report this "
+                "accelerate version.")
 
     return __init__
 

@@ -69,6 +69,12 @@ def supported(distribution: str) -> Tuple[str, str]:
     return SUPPORTED.get(distribution) or (VERSIONS[distribution], VERSIONS[distribution])
 
 
+def releases(distribution: str) -> str:
+    """The supported releases in words: ``5.23.0 to 5.25.0``, or the one release."""
+    lowest, highest = supported(distribution)
+    return lowest if lowest == highest else f"{lowest} to {highest}"
+
+
 def requirement(distribution: str) -> str:
     """The pip requirement of the supported releases: ``transformers>=5.23.0,<=5.25.0``."""
     lowest, highest = supported(distribution)
@@ -160,7 +166,8 @@ def _files_unchanged(patch: Patch) -> bool:
 
 def changed(patch: Patch) -> bool:
     """Whether the installed upstream code the patch reads differs from that of every release it was checked on."""
-    return not _files_unchanged(patch) and upstream_digest(patch) not in {patch.digest, *dict(patch.digests_at).values()}
+    checked = {patch.digest, *dict(patch.digests_at).values()}
+    return not _files_unchanged(patch) and upstream_digest(patch) not in checked
 
 
 def label(patch: Patch) -> str:
@@ -177,10 +184,9 @@ def _apply(module, patch: Patch, warn: bool = True) -> bool:
         return False
     differs = changed(patch)
     if differs and warn:
-        lowest, highest = supported(patch.distribution)
-        releases = lowest if lowest == highest else f"{lowest} to {highest}"
-        warnings.warn(f"deepspeed_xla: {label(patch)} differs from {patch.distribution} {releases}; patched anyway, "
-                      f"re-check deepspeed_xla/patches/ against this {patch.distribution}.")
+        dist = patch.distribution
+        warnings.warn(f"deepspeed_xla: {label(patch)} differs from {dist} {releases(dist)}; patched anyway, re-check "
+                      f"deepspeed_xla/patches/ against this {dist}.")
     owner = _owner(patch)
     setattr(owner, patch.attr, patch.wrapper(getattr(owner, patch.attr, None)))
     _applied.add(patch)
