@@ -88,6 +88,7 @@ def oldest_requirements() -> List[str]:
 
 
 def in_range(distribution: str, version: str) -> bool:
+    """Whether ``version`` lies between the lowest and the highest supported release, both included."""
     lowest, highest = supported(distribution)
     return release(lowest) <= release(version) <= release(highest)
 
@@ -111,6 +112,7 @@ class Patch(NamedTuple):
     since: str = ""
 
     def applies_to(self, version: str) -> bool:
+        """Whether this release of the distribution gets the patch (``since``)."""
         return not self.since or release(version) >= release(self.since)
 
     @property
