@@ -3,6 +3,7 @@
 The ``deepspeed_xla.pth`` startup file is copied next to the package in site-packages, for both
 ``pip install .`` and ``pip install -e .``; it makes every interpreter honour ``DS_ACCELERATOR=xla``.
 """
+import importlib.util
 import os
 
 from setuptools import find_packages, setup
@@ -11,6 +12,16 @@ from setuptools.command.editable_wheel import editable_wheel
 
 PTH = "deepspeed_xla.pth"
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def hf_requirements():
+    """The ``hf`` extra: the Hugging Face releases the patches are tested with, from the patch table
+    (``deepspeed_xla/patches/registry.py``, standard library only, so it loads without the package's dependencies)."""
+    spec = importlib.util.spec_from_file_location("_dsx_registry", os.path.join(HERE, "deepspeed_xla", "patches",
+                                                                              "registry.py"))
+    registry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(registry)
+    return [registry.requirement(name) for name in registry.SUPPORTED]
 
 
 class BuildPyWithPth(build_py):
@@ -55,6 +66,9 @@ setup(
         "cuda": ["jax-cuda12-pjrt==0.7.1", "nvidia-cuda-nvcc-cu12==12.8.93"],
         # DeepSpeed asks mpi4py for ranks where mpirun starts a script without the deepspeed runner.
         "mpi": ["mpi4py"],
+        # The Trainer with --deepspeed, accelerate launch and PEFT (docs/huggingface.md): the lowest to the highest
+        # release of each that deepspeed_xla's patches are tested with.
+        "hf": hf_requirements(),
         "test": ["pytest", "pytest-timeout", "matplotlib"],
     },
     entry_points={"console_scripts": ["ds_xla_report=deepspeed_xla.report:main"]},

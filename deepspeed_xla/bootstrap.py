@@ -49,6 +49,7 @@ _AFTER_IMPORT = {
     "accelerate.utils.deepspeed": _PATCHES_HOOK,
     "transformers.trainer": _PATCHES_HOOK,
     "transformers.training_args": _PATCHES_HOOK,
+    "transformers.integrations.hub_kernels": _PATCHES_HOOK,
 }
 # module -> (our module, function) run with the module object just before its body executes.
 _BEFORE_IMPORT = {"torch_xla": ("deepspeed_xla.patches.stablehlo", "defer")}

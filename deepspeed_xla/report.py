@@ -80,11 +80,13 @@ class Report:
 
 
 def required_versions() -> Dict[str, Tuple[Optional[str], bool]]:
-    """``{distribution: (version specifier, needed)}``: deepspeed-xla's own requirements (needed), and
-    libtpu at the version torch_xla's ``tpu`` extra pins (only on TPU hosts, so not needed here)."""
+    """``{distribution: (version specifier, needed)}``: deepspeed-xla's own requirements (needed), the Hugging Face
+    releases its ``hf`` extra names (transformers, accelerate, peft, kernels: the range the patches are tested with;
+    needed only for the Hugging Face path) and libtpu at the version torch_xla's ``tpu`` extra pins (only on TPU
+    hosts, so not needed here)."""
     from packaging.requirements import Requirement
     wanted: Dict[str, Tuple[Optional[str], bool]] = {}
-    for dist, extra, needed in ((DIST, "", True), ("torch_xla", "tpu", False)):
+    for dist, extra, needed in ((DIST, "", True), (DIST, "hf", False), ("torch_xla", "tpu", False)):
         try:
             requirements = metadata.requires(dist) or []
         except metadata.PackageNotFoundError:

@@ -123,6 +123,13 @@ class Results(TrainerCallback):
             self.counters["end"] = counters
 
 
+def library_versions() -> dict:
+    """The releases this run imported (the tests run the oldest supported ones from another folder)."""
+    import accelerate
+    import transformers
+    return {"transformers": transformers.__version__, "accelerate": accelerate.__version__}
+
+
 def write_results(trainer: Trainer, results: Results, path: str, built_partitioned: bool) -> None:
     """Every rank's trained weights (gathered under ZeRO-3) with their dtypes, rank 0's logged losses."""
     import deepspeed
@@ -140,7 +147,8 @@ def write_results(trainer: Trainer, results: Results, path: str, built_partition
                    **measured,
                    "world_size": trainer.args.world_size, "accelerator": get_accelerator().device_name(),
                    "engine": type(engine).__name__, "zero_stage": engine.zero_optimization_stage(),
-                   "built_partitioned": built_partitioned,
+                   "built_partitioned": built_partitioned, "versions": library_versions(),
+                   "device": str(trainer.args.device), "backend": torch.distributed.get_backend(),
                    "params": weights, "param_dtypes": dtypes}, handle)
 
 

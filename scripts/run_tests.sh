@@ -5,6 +5,33 @@ bash "$(dirname "${BASH_SOURCE[0]}")/install_launchers.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 set -euo pipefail
 cd "$DSX_ROOT"
+# DeepSpeed's CPU ops, built once into the venv's TORCH_EXTENSIONS_DIR (setup_env.sh) instead of inside the first
+# tests that load them (~2 minutes with g++): the CPU accelerator's shm all-reduce and FusedAdam (every reference run
+# of the tests) and cpu_adam (ZeRO-Offload's DeepSpeedCPUAdam). The marker names the directory they were built into.
+DSX_OPS_MARKER="$DSX_VENV/.deepspeed-ops-built"
+if [ "$(cat "$DSX_OPS_MARKER" 2>/dev/null)" != "$TORCH_EXTENSIONS_DIR" ]; then
+  echo "deepspeed_xla: building DeepSpeed's CPU ops into $TORCH_EXTENSIONS_DIR (once, a few minutes)" >&2
+  # A build stopped part-way (no marker yet) leaves its lock, and torch waits on a lock for ever: nothing else builds
+  # into this venv's directory before the marker exists.
+  rm -f "$TORCH_EXTENSIONS_DIR"/*/lock
+  DS_ACCELERATOR=cpu python -c "
+from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, FusedAdamBuilder, ShareMemCommBuilder
+for builder in (ShareMemCommBuilder, FusedAdamBuilder, CPUAdamBuilder):
+    builder().load(verbose=False)
+"
+  echo "$TORCH_EXTENSIONS_DIR" > "$DSX_OPS_MARKER"
+fi
+# The oldest supported Hugging Face releases (deepspeed_xla/patches/registry.py, SUPPORTED), for the smoke runs of
+# tests/launched/test_huggingface_oldest.py only: installed without dependencies into a folder of the venv keyed on
+# them, which those runs put first on PYTHONPATH. The venv itself holds the newest (requirements.txt).
+DSX_HF_OLDEST_SET="$(python -c \
+  "from deepspeed_xla.patches.registry import oldest_requirements; print(*oldest_requirements())")"
+export DSX_HF_OLDEST="$DSX_VENV/hf-oldest-$(echo "$DSX_HF_OLDEST_SET" | sha256sum | cut -c1-12)"
+if [ ! -f "$DSX_HF_OLDEST/.complete" ]; then
+  rm -rf "$DSX_HF_OLDEST"
+  pip install -q --no-deps --target "$DSX_HF_OLDEST" $DSX_HF_OLDEST_SET
+  touch "$DSX_HF_OLDEST/.complete"
+fi
 # Two workers (pytest-xdist): a launched run leaves a core idle while its launcher and workers import; each module's
 # tests stay on one worker (tests/conftest.py's groups).
 python -m pytest tests -q -p no:cacheprovider --timeout 900 --durations=15 -n 2 --dist loadgroup --no-loadscope-reorder "$@"

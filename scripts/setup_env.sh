@@ -24,24 +24,9 @@ if [ "$(cat "$DSX_VENV/.deepspeed-xla-source" 2>/dev/null)" != "$DSX_SOURCE" ]; 
 fi
 export PATH="$DSX_VENV/bin:$PATH"
 export PJRT_DEVICE="${PJRT_DEVICE:-CPU}"
-# DeepSpeed JIT-builds C++ ops (the CPU accelerator's shm all-reduce, cpu_adam) into this directory;
-# one per venv, so another venv's build (other paths, other flags) never forces a 2-minute rebuild.
+# DeepSpeed JIT-builds C++ ops (the CPU accelerator's shm all-reduce, cpu_adam) into this directory; one per venv, so
+# another venv's build (other paths, other flags) never forces a 2-minute rebuild. XLA runs build none of them:
+# scripts/run_tests.sh builds them for the tests' CPU-accelerator reference runs.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$DSX_VENV/torch_extensions}"
-# Build them once, up front, instead of inside the first tests that load them (~3 minutes with g++): the CPU
-# accelerator's shm all-reduce and FusedAdam (every reference run of the tests), and cpu_adam (ZeRO-Offload's
-# DeepSpeedCPUAdam). The marker names the directory they were built into.
-DSX_OPS_MARKER="$DSX_VENV/.deepspeed-ops-built"
-if [ "$(cat "$DSX_OPS_MARKER" 2>/dev/null)" != "$TORCH_EXTENSIONS_DIR" ]; then
-  echo "deepspeed_xla: building DeepSpeed's CPU ops into $TORCH_EXTENSIONS_DIR (once, a few minutes)" >&2
-  # A build stopped part-way (no marker yet) leaves its lock, and torch waits on a lock for ever: nothing else builds
-  # into this venv's directory before the marker exists.
-  rm -f "$TORCH_EXTENSIONS_DIR"/*/lock
-  DS_ACCELERATOR=cpu "$DSX_VENV/bin/python" -c "
-from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, FusedAdamBuilder, ShareMemCommBuilder
-for builder in (ShareMemCommBuilder, FusedAdamBuilder, CPUAdamBuilder):
-    builder().load(verbose=False)
-"
-  echo "$TORCH_EXTENSIONS_DIR" > "$DSX_OPS_MARKER"
-fi
 export DSX_VENV DSX_ROOT
 set +euo pipefail

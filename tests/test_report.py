@@ -8,6 +8,7 @@ from importlib import metadata
 from pathlib import Path
 
 from deepspeed_xla import report
+from deepspeed_xla.patches import registry
 from deepspeed_xla.devices.cpu import CpuDevice
 from deepspeed_xla.devices.tpu import TpuDevice
 from tests.conftest import FIXTURES, VENV_BIN, clean_env
@@ -45,7 +46,7 @@ def test_healthy_cpu_host_with_deepspeed_env(tmp_path, monkeypatch):
     proc = _report([str(VENV_BIN / "ds_xla_report")], tmp_path, PJRT_DEVICE="CPU")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
-    for name in ("torch", "torch_xla", "deepspeed", "tpu-info"):
+    for name in ("torch", "torch_xla", "deepspeed", "tpu-info", *registry.SUPPORTED):
         row = _row(out, name)
         assert row.startswith(f"{metadata.version(name)} (supported: {name}") and row.endswith("[OK]"), row
     assert _row(out, "supported combination") == "yes [OK]"
@@ -128,6 +129,22 @@ def test_untested_but_matching_versions_only_warn():
     assert any(m.startswith("torch 2.8.0 is outside the tested combination") for m in messages), messages
     assert f"deepspeed 0.19.9 is outside the tested combination: pip install 'deepspeed{spec}'." in messages
     assert ("supported combination", "no", report.WARNING) in checked.lines
+
+
+def test_hugging_face_releases_checked_against_the_range_the_patches_are_tested_with():
+    """transformers, accelerate, peft and kernels come from the ``hf`` extra, made from ``registry.SUPPORTED``: each end
+    of a range is in it, a release past it warns with the range, and a missing one is no problem (the Hugging Face path
+    is optional)."""
+    from packaging.requirements import Requirement
+    required = report.required_versions()
+    for name in registry.SUPPORTED:
+        assert required[name] == (str(Requirement(registry.requirement(name)).specifier), False)
+    lowest, highest = registry.supported("transformers")
+    assert _check(_installed(transformers=lowest)).findings == _check(_installed(transformers=highest)).findings == []
+    checked = _check(_installed(transformers="5.26.0", peft=None))
+    assert checked.findings == [(report.WARNING, "transformers 5.26.0 is outside the tested combination: pip install "
+                                                 f"'transformers{required['transformers'][0]}'.")]
+    assert ("peft", f"not installed (supported: peft{required['peft'][0]})", None) in checked.lines
 
 
 def test_missing_requirement_is_a_problem_with_the_fix():

@@ -3,21 +3,22 @@
 The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
 the XLA accelerator is DeepSpeed's. ``tests/patches/test_table.py`` fails when an upstream target changes.
 The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine`` (its checkpoints: ``checkpoints``),
-``zero``, ``precision``, ``grad_checks``, ``config``, ``compiler``, ``launcher``, ``comm``, ``tensor_parallel``, and the
-two places where the Hugging Face stack runs DeepSpeed (``accelerate``, ``trainer``); ``registry`` defines ``Patch``
-and how a patch is checked and applied. Their figures: (docs/performance.md, 'Why the patches exist'). One change is
-not in the table because it must come before its target's import: ``stablehlo`` (torch_xla's exporter, loaded at
-first use).
+``zero``, ``precision``, ``grad_checks``, ``config``, ``compiler``, ``launcher``, ``comm``, ``tensor_parallel``, the
+two places where the Hugging Face stack runs DeepSpeed (``accelerate``, ``trainer``) and transformers'
+``hub_kernels``, which cannot serve XLA; ``registry`` defines ``Patch``, the supported releases and how a patch is
+checked and applied. Their figures: (docs/performance.md, 'Why the patches exist'). One change is not in the table
+because it must come before its target's import: ``stablehlo`` (torch_xla's exporter, loaded at first use).
 """
+import sys
 import warnings
 from importlib import metadata
 
 from deepspeed_xla.devices import wants_xla
-from deepspeed_xla.patches import (accelerate, checkpoints, comm, compiler, config, engine, grad_checks, launcher,
-                                  precision, tensor_parallel, trainer, zero)
-# WRITTEN_FOR, VERSIONS, Patch, is_applied, source_digest and upstream_digest are this package's API too.
-from deepspeed_xla.patches.registry import (VERSIONS, WRITTEN_FOR, Patch, _apply, is_applied, source_digest,
-                                            upstream_digest)
+from deepspeed_xla.patches import (accelerate, checkpoints, comm, compiler, config, engine, grad_checks, hub_kernels,
+                                  launcher, precision, tensor_parallel, trainer, zero)
+# WRITTEN_FOR, VERSIONS, SUPPORTED, Patch, is_applied, source_digest and upstream_digest are this package's API too.
+from deepspeed_xla.patches.registry import (SUPPORTED, VERSIONS, WRITTEN_FOR, Patch, _apply, in_range, is_applied,
+                                            label, releases, requirement, source_digest, upstream_digest)
 
 
 # DeepSpeed imports has_inf_or_nan by name, so every importing module's binding is patched.
@@ -136,9 +137,10 @@ PATCHES = [
     *(Patch(_MULTINODE_RUNNER, runner, "get_cmd", launcher.exports_rendezvous, digest)
       for runner, digest in (("OpenMPIRunner", "b8995592e8249045"), ("MVAPICHRunner", "c00bc28c496b31c2"),
                              ("SlurmRunner", "6869ce47d8edb10b"))),
-    Patch("accelerate.state", "PartialState", "_prepare_backend", accelerate.prepare_backend, "7a668a99017a1a1b",
-          reads=("_prepare_backend", "__init__", "set_device")),
-    Patch("accelerate.state", "AcceleratorState", "__init__", accelerate.refuses_dropped_deepspeed, "e5c18cb49fc98393"),
+    Patch("accelerate.state", "PartialState", "_prepare_backend", accelerate.prepare_backend, "93f4a40a1da18edc",
+          reads=("_prepare_backend", "__init__", "set_device"), digests_at=(("1.15.0", "7a668a99017a1a1b"), )),
+    Patch("accelerate.state", "AcceleratorState", "__init__", accelerate.refuses_dropped_deepspeed, "d0193e759a02ea4e",
+          digests_at=(("1.15.0", "e5c18cb49fc98393"), )),
     Patch("accelerate.utils.deepspeed", "DeepSpeedEngineWrapper", "get_global_grad_norm",
           accelerate.grad_norm_on_device,
           "f7e1593992852e14"),
@@ -151,6 +153,9 @@ PATCHES = [
           "04fe5dc71b61e7e4"),
     Patch("transformers.training_args", "TrainingArguments", "main_process_first", trainer.barrier_by_parallel_mode,
           "81bfffffb9fa0d86"),
+    # modeling_utils imports it by name, after this module has loaded (and been patched).
+    Patch("transformers.integrations.hub_kernels", "", "_kernels_enabled", hub_kernels.disabled_on_xla,
+          "89c31a84efa10f23", since="5.25.0"),
 ]
 
 PATCHED_MODULES = sorted({p.module for p in PATCHES})
@@ -165,23 +170,38 @@ def _xla_is_active(distribution: str) -> bool:
     return getattr(real_accelerator.ds_accelerator, "_name", None) == "xla"
 
 
+#: Distributions whose release outside ``registry.SUPPORTED`` was reported.
+_REPORTED = set()
+
+
+def _outside_range(distribution: str, installed: str, changed: list) -> str:
+    found = f"changed: {', '.join(changed)}" if changed else "none changed"
+    return (f"deepspeed_xla: {distribution} {installed} is outside the releases its patches are tested with "
+            f"({releases(distribution)}; pip install '{requirement(distribution)}'). Of the functions it patches "
+            f"(checked as each module loads), {found}.")
+
+
 def on_module_loaded(module) -> None:
-    """Startup-hook entry: patch ``module`` if the XLA accelerator is (or will be) DeepSpeed's accelerator."""
+    """Startup-hook entry: patch ``module`` if the XLA accelerator is (or will be) DeepSpeed's accelerator. A release
+    outside the supported ones gets one warning, at its first patched module, naming the range and the patched
+    functions there that changed; a changed one in a module loaded later gets its own."""
     targets = [patch for patch in PATCHES if patch.module == module.__name__]
     if not targets or not _xla_is_active(targets[0].distribution):
         return
     distribution = targets[0].distribution
-    installed, written_for = metadata.version(distribution), VERSIONS[distribution]
-    if installed != written_for:
-        warnings.warn(f"deepspeed_xla's patches were written for {distribution} {written_for}, found {installed}: "
-                      f"install {distribution}=={written_for}.")
-    for patch in targets:
-        _apply(module, patch)
+    installed = metadata.version(distribution)
+    targets = [patch for patch in targets if patch.applies_to(installed)]
+    if in_range(distribution, installed) or distribution in _REPORTED:
+        for patch in targets:
+            _apply(module, patch)
+        return
+    _REPORTED.add(distribution)
+    changed = [label(patch) for patch in targets if _apply(module, patch, warn=False)]
+    warnings.warn(_outside_range(distribution, installed, sorted(set(changed))))
 
 
 def apply_all() -> None:
     """Patch every target module that is already imported (the explicit ``register()`` route)."""
-    import sys
     for name in PATCHED_MODULES:
         if name in sys.modules:
             on_module_loaded(sys.modules[name])

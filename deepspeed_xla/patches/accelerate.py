@@ -9,6 +9,8 @@ import functools
 import os
 from typing import Optional
 
+from deepspeed_xla.patches.registry import requirement
+
 #: DeepSpeed accelerator name -> the accelerate ``DistributedType`` whose ``set_device`` takes that accelerator's
 #: device. The tests' reference runs add DeepSpeed's CPU accelerator (``MULTI_CPU``), which accelerate never gives
 #: to DeepSpeed either.
@@ -54,8 +56,9 @@ def refuses_dropped_deepspeed(original):
             raise RuntimeError(
                 f"accelerate was asked for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true) but chose "
                 f"{self.distributed_type}, "
-                "so the DeepSpeed config would not be used. deepspeed_xla patches accelerate's choice for accelerate "
-                "1.15.0; install accelerate==1.15.0, or report this accelerate version.")
+                "so the DeepSpeed config would not be used. deepspeed_xla patches accelerate's choice for the "
+                f"accelerate releases it is tested with: pip install '{requirement('accelerate')}', or report this "
+                "accelerate version.")
 
     return __init__
 

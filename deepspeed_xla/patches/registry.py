@@ -9,18 +9,20 @@ import functools
 import hashlib
 import importlib
 import inspect
+import re
 import warnings
 from typing import Callable, Dict, List, NamedTuple, Tuple
 
 WRITTEN_FOR = "0.19.8"
-#: The release of each patched distribution the wrappers were written for.
-VERSIONS = {"deepspeed": WRITTEN_FOR, "accelerate": "1.15.0", "transformers": "5.23.0", "torch_xla": "2.9.0"}
-#: sha256 prefix of each upstream file (by module) that defines code a patch reads, at ``VERSIONS``. A patch whose
-#: files all match has the source its digest was taken from, so every process start skips reading that source
-#: (``inspect.getsource`` tokenizes each function and parses the whole file of a class).
-UPSTREAM_FILES = {
-    "accelerate.state": "8af1fe9a518f46bc",
-    "accelerate.utils.deepspeed": "82dfa3c0ea4eb51b",
+#: The release of each patched distribution the wrappers were written for, where one release is supported.
+VERSIONS = {"deepspeed": WRITTEN_FOR, "torch_xla": "2.9.0"}
+#: The lowest and the highest release of each Hugging Face distribution the patches are tested with
+#: (tests/launched/test_huggingface.py on the highest, test_huggingface_oldest.py on the lowest); setup.py's ``hf``
+#: extra and ``ds_xla_report`` are made from it. peft and kernels are not patched: kernels is what transformers 5.25
+#: requires (older transformers releases leave it unused), peft what the LoRA runs train with.
+SUPPORTED = {"transformers": ("5.23.0", "5.25.0"), "accelerate": ("1.15.0", "1.16.0"), "peft": ("0.21.2", "0.21.2"),
+             "kernels": ("0.19.1", "0.19.1")}
+_DEEPSPEED_FILES = {
     "deepspeed.comm.torch": "e1ed1e77862a4048",
     "deepspeed.launcher.multinode_runner": "888fe4888604b4cd",
     "deepspeed.launcher.runner": "956d554ea5c9b142",
@@ -40,10 +42,55 @@ UPSTREAM_FILES = {
     "deepspeed.runtime.zero.stage_1_and_2": "752235af95d0de6f",
     "deepspeed.utils.config": "3b897ee836bff115",
     "deepspeed.utils.nvtx": "1ca82972b9f95b35",
-    "transformers.trainer": "da5a792ffed97570",
-    "transformers.trainer_pt_utils": "464c0711a0fd4260",
-    "transformers.training_args": "fbdd5980f654c8c5",
 }
+#: sha256 prefix of each upstream file (by module) that defines code a patch reads, at each supported release
+#: (``VERSIONS``, ``SUPPORTED``) where the file exists. A patch whose files all match one of them has the source one of
+#: its digests was taken from, so every process start skips reading that source (``inspect.getsource`` tokenizes
+#: each function and parses the whole file of a class).
+UPSTREAM_FILES: Dict[str, Dict[str, str]] = {
+    **{module: {WRITTEN_FOR: digest} for module, digest in _DEEPSPEED_FILES.items()},
+    "accelerate.state": {"1.15.0": "8af1fe9a518f46bc", "1.16.0": "31c217fab2d921bd"},
+    "accelerate.utils.deepspeed": {"1.15.0": "82dfa3c0ea4eb51b", "1.16.0": "82dfa3c0ea4eb51b"},
+    "transformers.integrations.hub_kernels": {"5.25.0": "15077cc8e541f659"},
+    "transformers.trainer": {"5.23.0": "da5a792ffed97570", "5.24.0": "87e1c73bc1263027", "5.25.0": "44ce713470a301ec"},
+    "transformers.trainer_pt_utils": {release: "464c0711a0fd4260" for release in ("5.23.0", "5.24.0", "5.25.0")},
+    "transformers.training_args": {"5.23.0": "fbdd5980f654c8c5", "5.24.0": "2dde33bfff94db1e",
+                                   "5.25.0": "2dde33bfff94db1e"},
+}
+
+
+def release(version: str) -> Tuple[int, ...]:
+    """``5.25.0`` -> ``(5, 25, 0)``: the numeric release, without a local tag or a pre-release suffix."""
+    return tuple(int(part) for part in re.match(r"\d+(\.\d+)*", version).group().split(".")[:3])
+
+
+def supported(distribution: str) -> Tuple[str, str]:
+    """The lowest and highest release of ``distribution`` the patches are tested with."""
+    return SUPPORTED.get(distribution) or (VERSIONS[distribution], VERSIONS[distribution])
+
+
+def releases(distribution: str) -> str:
+    """The supported releases in words: ``5.23.0 to 5.25.0``, or the one release."""
+    lowest, highest = supported(distribution)
+    return lowest if lowest == highest else f"{lowest} to {highest}"
+
+
+def requirement(distribution: str) -> str:
+    """The pip requirement of the supported releases: ``transformers>=5.23.0,<=5.25.0``."""
+    lowest, highest = supported(distribution)
+    return f"{distribution}=={lowest}" if lowest == highest else f"{distribution}>={lowest},<={highest}"
+
+
+def oldest_requirements() -> List[str]:
+    """``name==lowest`` of each distribution whose lowest supported release is not its highest (what the smoke runs
+    on the oldest releases install; scripts/run_tests.sh)."""
+    return [f"{name}=={lowest}" for name, (lowest, highest) in SUPPORTED.items() if lowest != highest]
+
+
+def in_range(distribution: str, version: str) -> bool:
+    """Whether ``version`` lies between the lowest and the highest supported release, both included."""
+    lowest, highest = supported(distribution)
+    return release(lowest) <= release(version) <= release(highest)
 
 
 class Patch(NamedTuple):
@@ -58,6 +105,15 @@ class Patch(NamedTuple):
     #: The functions of ``owner`` the patch relies on, when not (only) ``attr``: for a data attribute, the
     #: function using it; for a wrapper that re-implements a callee, both. The digest is of their sources.
     reads: Tuple[str, ...] = ()
+    #: ``(release, digest)`` of each other supported release whose upstream source differs from ``digest``'s (which
+    #: is at the highest release).
+    digests_at: Tuple[Tuple[str, str], ...] = ()
+    #: The first release that has ``attr`` as the wrapper expects it; older releases are not patched.
+    since: str = ""
+
+    def applies_to(self, version: str) -> bool:
+        """Whether this release of the distribution gets the patch (``since``)."""
+        return not self.since or release(version) >= release(self.since)
 
     @property
     def distribution(self) -> str:
@@ -106,21 +162,34 @@ def upstream_files(patch: Patch) -> Dict[str, str]:
 
 
 def _files_unchanged(patch: Patch) -> bool:
-    """Whether every file holding the patch's upstream code is the one ``UPSTREAM_FILES`` recorded."""
-    return all(UPSTREAM_FILES.get(module) == digest for module, digest in upstream_files(patch).items())
+    """Whether every file holding the patch's upstream code is one ``UPSTREAM_FILES`` recorded."""
+    return all(digest in UPSTREAM_FILES.get(module, {}).values() for module, digest in upstream_files(patch).items())
+
+
+def changed(patch: Patch) -> bool:
+    """Whether the installed upstream code the patch reads differs from that of every release it was checked on."""
+    checked = {patch.digest, *dict(patch.digests_at).values()}
+    return not _files_unchanged(patch) and upstream_digest(patch) not in checked
+
+
+def label(patch: Patch) -> str:
+    return ".".join(filter(None, (patch.module, patch.owner, patch.attr)))
 
 
 def is_applied(patch: Patch) -> bool:
     return patch in _applied
 
 
-def _apply(module, patch: Patch) -> None:
+def _apply(module, patch: Patch, warn: bool = True) -> bool:
+    """Patch ``module``; whether its upstream code ``changed`` (warned about unless ``warn`` is false)."""
     if patch in _applied:
-        return
-    if not _files_unchanged(patch) and upstream_digest(patch) != patch.digest:
-        warnings.warn(f"deepspeed_xla: {patch.module}.{patch.owner}.{patch.attr} differs from {patch.distribution} "
-                      f"{VERSIONS[patch.distribution]}; patched anyway, re-check deepspeed_xla/patches/ against this "
-                      f"{patch.distribution}.")
+        return False
+    differs = changed(patch)
+    if differs and warn:
+        dist = patch.distribution
+        warnings.warn(f"deepspeed_xla: {label(patch)} differs from {dist} {releases(dist)}; patched anyway, re-check "
+                      f"deepspeed_xla/patches/ against this {dist}.")
     owner = _owner(patch)
     setattr(owner, patch.attr, patch.wrapper(getattr(owner, patch.attr, None)))
     _applied.add(patch)
+    return differs

@@ -212,6 +212,8 @@ def test_trainer_matches_cpu_accelerator(hf_runs, name, launcher):
     stage, bf16, lora, _ = CONFIGS[name]
     xla, cpu = hf_runs.results[f"{name}/{launcher}"], hf_runs.results[f"{name}/cpu"]
     assert_trains_like(xla, cpu, bf16)
+    # TorchTPU's words (transformers' "tpu" device, "tpu_dist" backend) never take a torch_xla run.
+    assert xla["device"].startswith("xla:") and "tpu" not in xla["backend"], (xla["device"], xla["backend"])
     for result in (xla, cpu):
         assert (result["engine"], result["zero_stage"]) == ("DeepSpeedEngine", stage)
         assert all(("lora_" in param) == lora for param in result["params"]), sorted(result["params"])

@@ -1,4 +1,5 @@
 """``patches/accelerate.py``: a DeepSpeed run that accelerate would take out of DeepSpeed stops instead."""
+from deepspeed_xla.patches.registry import requirement
 from tests.multiproc import last_error, run_python
 
 # accelerate's own backend choice (the patch undone) on a host accelerate takes for a TPU VM: its XLA mode, in which
@@ -22,4 +23,4 @@ def test_deepspeed_dropped_by_accelerate_stops_the_run():
     assert "trained without DeepSpeed" not in proc.stdout
     error = last_error(proc)
     assert "accelerate was asked for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true) but chose DistributedType.XLA" in error
-    assert "install accelerate==1.15.0" in error
+    assert f"pip install '{requirement('accelerate')}'" in error

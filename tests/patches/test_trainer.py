@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from tests.multiproc import run_ranks
+from tests.multiproc import last_error, run_python, run_ranks
 
 WORLD = 2
 MARKER_ENV = "DSX_TEST_MARKER_DIR"
@@ -44,3 +44,28 @@ def test_main_process_first_holds_the_other_ranks_back(tmp_path):
     reports = [json.loads(proc.stdout.strip().splitlines()[-1]) for proc in procs]
     assert [(report["rank"], report["world"]) for report in reports] == [(0, WORLD), (1, WORLD)]
     assert reports[1]["seen"] == {"patched": True, "upstream": False}, reports
+
+
+# transformers 5.25 and accelerate 1.16 name TorchTPU's device "tpu" (``is_torch_tpu_available``, the "tpu_dist"
+# backend, accelerate's accelerator backend); with torch_xla imported and torch_tpu absent, none of them is chosen.
+TORCH_TPU_WORDS = """
+import importlib.util, json
+import torch, torch_xla
+from accelerate.utils.imports import get_torch_accelerator_backend
+from transformers.distributed.utils import DISTRIBUTED_BACKEND_MAP
+from transformers.utils.import_utils import get_current_accelerator, is_torch_tpu_available
+accelerator = get_current_accelerator()
+print(json.dumps({"torch_tpu": importlib.util.find_spec("torch_tpu") is not None, "tpu": is_torch_tpu_available(),
+                  "accelerate": get_torch_accelerator_backend()[0],
+                  "torch accelerator": accelerator and accelerator.type, "tpu_dist": DISTRIBUTED_BACKEND_MAP["tpu"]}))
+"""
+
+
+def test_torch_xla_is_never_taken_for_torchtpu():
+    """On a host that says TPU (``PJRT_DEVICE=TPU``), torch_xla imported: no library sees a TorchTPU device, so
+    nothing picks ``tpu:0`` or ``tpu_dist`` (the Trainer runs check their device and backend too)."""
+    proc = run_python(TORCH_TPU_WORDS, DS_ACCELERATOR="xla", PJRT_DEVICE="TPU")
+    assert proc.returncode == 0, last_error(proc)
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen.pop("torch accelerator") != "tpu"  # the build's (torch 2.9.0 for CUDA): cuda, with no GPU
+    assert seen == {"torch_tpu": False, "tpu": False, "accelerate": None, "tpu_dist": "tpu_dist"}
