@@ -103,7 +103,7 @@ def run_system(system: System, args: argparse.Namespace, train_script: Path, wor
         return {"system": system.name, "error": error}
     row = dict(summarize(system, read_ranks(out, system.procs), args, peak_flops), load_average=load)
     if dumps:
-        row["cost"] = cost_summary(system, dumps, args)
+        row["cost"] = cost_summary(system, dumps, args, row["executions_per_step"])
     return row
 
 

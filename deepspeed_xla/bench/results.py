@@ -43,9 +43,11 @@ def summarize(system: System, ranks: List[dict], args: argparse.Namespace, peak_
     return row
 
 
-def cost_summary(system: System, dumps: Path, args: argparse.Namespace) -> dict:
+def cost_summary(system: System, dumps: Path, args: argparse.Namespace, graphs_per_step: Optional[float]) -> dict:
     """The ``cost`` object of a row: the step graph's counts (``bench.cost``), the analytic FLOPs of the tokens
-    one device trains a step, and the roofline estimate on ``args.tpu``."""
+    one device trains a step, and the roofline estimate on ``args.tpu``. A step of several graphs
+    (``graphs_per_step`` over 1: host-staged collectives cut it on PJRT CPU, ZeRO-3 fetches) is counted in its
+    largest graph only, so it gets no estimate: it would leave the other graphs' work out."""
     try:
         module = step_module(dumps)
     except FileNotFoundError as error:
@@ -53,8 +55,9 @@ def cost_summary(system: System, dumps: Path, args: argparse.Namespace) -> dict:
     cost = step_cost(module.read_text())
     tokens = system.data_parallel * args.batch * args.seq / system.procs
     model_flops = flops_per_token(args.dim, args.layers, args.vocab, args.seq) * tokens
-    return dict(cost, module=str(module), model_flops=model_flops,
-                estimate=estimate(cost, TPUS[args.tpu], model_flops, system.procs))
+    whole = graphs_per_step == 1
+    return dict(cost, module=str(module), model_flops=model_flops, graphs_per_step=graphs_per_step, tpu=args.tpu,
+                estimate=estimate(cost, TPUS[args.tpu], model_flops, system.procs) if whole else None)
 
 
 def median_run(runs: List[dict]) -> dict:
@@ -162,6 +165,7 @@ COLUMNS = [  # header, row key, format of a present value
 
 COST_COLUMNS = [  # header, key of the row's cost object, format; the estimate's keys are under "estimate"
     ("system", "system", str),
+    ("graphs/step", "graphs_per_step", lambda v: f"{v:.2f}"),
     ("dot GFLOP", "dot_flops", lambda v: f"{v / 1e9:.3f}"),
     ("x model FLOPs", "dot_over_model", lambda v: f"{v:.3f}"),
     ("elementwise Mops", "elementwise_ops", lambda v: f"{v / 1e6:.2f}"),
@@ -171,7 +175,7 @@ COST_COLUMNS = [  # header, key of the row's cost object, format; the estimate's
     ("written MB", "bytes_written", _mb),
     ("collectives", "collective_count", str),
     ("collective MB", "collective_bytes", _mb),
-    ("est. step ms", "step_s", lambda v: f"{v * 1e3:.3f}"),
+    ("est. step ms", "step_s", lambda v: f"{v * 1e3:.4g}"),
     ("est. MFU", "mfu", lambda v: f"{v:.1%}"),
 ]
 
@@ -182,7 +186,8 @@ def cost_rows(rows: List[dict]) -> List[dict]:
     for row in rows:
         cost = row.get("cost")
         if cost and "error" not in cost:
-            flat.append(dict(cost, **cost["estimate"], system=row["system"], collective_count=len(cost["collectives"]),
+            flat.append(dict(cost, **(cost["estimate"] or {}), system=row["system"],
+                             collective_count=len(cost["collectives"]),
                              dot_over_model=cost["dot_flops"] / cost["model_flops"]))
     return flat
 
@@ -220,7 +225,8 @@ def render(report: dict) -> str:
         lines += ["", f"cost of a step, counted in each system's step graph (HLO before XLA's optimizations); est.: "
                       f"an ESTIMATE on one TPU {tpu.name} chip ({tpu.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, "
                       f"HBM {tpu.hbm_bytes_per_s / 1e9:.0f} GB/s, ICI {tpu.ici_bytes_per_s / 1e9:.0f} GB/s), "
-                      "max(FLOPs/peak, bytes/HBM) + collective bytes/ICI, not a measurement",
+                      "max(FLOPs/peak, bytes/HBM) + collective bytes/ICI, not a measurement; a step of several "
+                      "graphs: its largest counted, no estimate",
                   format_table(costs, COST_COLUMNS)]
     bandwidth = report.get("bandwidth")
     if bandwidth and "ratio" in bandwidth:

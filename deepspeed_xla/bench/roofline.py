@@ -6,6 +6,8 @@ An estimate of what the graph allows, not a measurement: step time ≈ max(FLOPs
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+from deepspeed_xla.devices.tpu import PEAK_BF16_TFLOPS_PER_CHIP
+
 
 @dataclass(frozen=True)
 class Tpu:
@@ -18,11 +20,10 @@ class Tpu:
     source: str
 
 
-TPUS: Dict[str, Tpu] = {tpu.name: tpu for tpu in (
-    Tpu("v5e", 197e12, 819e9, 400e9, "https://cloud.google.com/tpu/docs/v5e"),
-    Tpu("v5p", 459e12, 2765e9, 1200e9, "https://cloud.google.com/tpu/docs/v5p"),
-    Tpu("v6e", 918e12, 1638e9, 800e9, "https://cloud.google.com/tpu/docs/v6e"),
-)}
+# HBM and bidirectional ICI GB/s per chip from the same pages as the device type's peaks
+TPUS: Dict[str, Tpu] = {name: Tpu(name, PEAK_BF16_TFLOPS_PER_CHIP[name] * 1e12, hbm * 1e9, ici * 1e9,
+                                  f"https://cloud.google.com/tpu/docs/{name}")
+                        for name, hbm, ici in (("v5e", 819, 400), ("v5p", 2765, 1200), ("v6e", 1638, 800))}
 
 
 def wire_bytes(collective: dict, world_size: int) -> float:

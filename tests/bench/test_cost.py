@@ -1,12 +1,13 @@
 """``bench.cost`` and ``bench.roofline``: the parser on handwritten HLO, the estimate's formula, and the floor's
 counted dot FLOPs against the analytic model (the test that the accounting is right)."""
+import argparse
 import json
 import math
 import sys
 
 import pytest
 
-from deepspeed_xla.bench import cost, roofline, systems
+from deepspeed_xla.bench import cost, results, roofline, systems
 from tests.conftest import REPO, clean_env
 from tests.multiproc import run_command
 
@@ -135,3 +136,14 @@ ENTRY main {
 """
     counted = cost.step_cost(text)
     assert (counted["dot_flops"], counted["bytes_read"], counted["bytes_written"]) == (2 * 4 * 2 * 8, 4 * 48, 4 * 8)
+
+
+def test_a_step_of_several_graphs_gets_no_estimate(tmp_path):
+    """Host-staged collectives (PJRT CPU) and ZeRO-3's fetches cut a step into graphs; only the largest is counted,
+    so an estimate would leave the others' work out."""
+    (tmp_path / "module_0000.SyncTensorsGraph.1.before_optimizations.txt").write_text(BATCHED_DOT)
+    args = argparse.Namespace(dim=64, layers=2, seq=16, batch=2, vocab=64, tpu="v5p")
+    whole = results.cost_summary(systems.parse_system("xla-zero2-1p"), tmp_path, args, 1.0)
+    assert whole["estimate"]["tpu"] == "v5p" and whole["dot_flops"] == 2 * 16 * 64 * 48 * 32
+    assert results.cost_summary(systems.parse_system("xla-zero2-2p"), tmp_path, args, 4.0)["estimate"] is None
+    assert "error" in results.cost_summary(systems.parse_system("xla-zero2-1p"), tmp_path / "none", args, 1.0)
