@@ -206,6 +206,13 @@ def collective(instruction: Instruction, shapes: Dict[str, str]) -> dict:
     return entry
 
 
+def _identity_slice(instruction: Instruction, shapes: Dict[str, str]) -> bool:
+    """A slice of a whole operand: torch_xla emits one for each view of a flat buffer, and XLA's simplifier
+    removes it, so it moves nothing."""
+    return (instruction.opcode == "slice" and instruction.operands[0] in shapes
+            and arrays(shapes[instruction.operands[0]]) == arrays(instruction.shape))
+
+
 def _counted(computations: Dict[str, List[Instruction]], entry: str) -> List[str]:
     """The entry computation and those it runs as part of the graph (``calls``, ``while`` bodies and conditions,
     ``conditional`` branches), each once."""
@@ -225,9 +232,9 @@ def _counted(computations: Dict[str, List[Instruction]], entry: str) -> List[str
 def step_cost(text: str) -> dict:
     """The counts of one HLO module (see the module's docstring): ``dot_flops`` (dots and convolutions),
     ``elementwise_ops``, ``reduction_ops`` (input elements of each reduce, window elements of each reduce-window),
-    ``movement_elements``, ``bytes_read`` (the entry's parameters), ``bytes_written`` (the entry's root),
-    ``collectives`` and their total ``collective_bytes``; ``while_loops``: bodies counted once each, their trip
-    count being unknown here."""
+    ``movement_elements`` (slices of a whole operand left out), ``bytes_read`` (the entry's parameters),
+    ``bytes_written`` (the entry's root), ``collectives`` and their total ``collective_bytes``; ``while_loops``:
+    bodies counted once each, their trip count being unknown here."""
     computations, entry = parse_module(text)
     cost = {"dot_flops": 0, "elementwise_ops": 0, "reduction_ops": 0, "movement_elements": 0, "bytes_read": 0,
             "bytes_written": 0, "instructions": 0, "while_loops": 0, "collectives": []}
@@ -249,7 +256,7 @@ def step_cost(text: str) -> dict:
                 window = re.search(r"size=([0-9x]+)", instruction.attributes)
                 size = math.prod(int(d) for d in window[1].split("x")) if window else 1
                 cost["reduction_ops"] += elements(instruction.shape) * size
-            elif op in MOVEMENT:
+            elif op in MOVEMENT and not _identity_slice(instruction, shapes):
                 cost["movement_elements"] += elements(instruction.shape)
             elif op.replace("-start", "") in COLLECTIVES:
                 cost["collectives"].append(collective(instruction, shapes))

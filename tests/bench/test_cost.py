@@ -147,3 +147,16 @@ def test_a_step_of_several_graphs_gets_no_estimate(tmp_path):
     assert whole["estimate"]["tpu"] == "v5p" and whole["dot_flops"] == 2 * 16 * 64 * 48 * 32
     assert results.cost_summary(systems.parse_system("xla-zero2-2p"), tmp_path, args, 4.0)["estimate"] is None
     assert "error" in results.cost_summary(systems.parse_system("xla-zero2-1p"), tmp_path / "none", args, 1.0)
+
+
+def test_a_slice_of_a_whole_buffer_moves_nothing():
+    """torch_xla slices a flat buffer whole for each view of it (XLA's simplifier removes those); a slice of a
+    part moves its elements."""
+    text = """HloModule views
+ENTRY %main (p0: f32[1000]) -> f32[64] {
+  %p0 = f32[1000]{0} parameter(0)
+  %slice.1 = f32[1000]{0} slice(%p0), slice={[0:1000]}
+  ROOT %slice.2 = f32[64]{0} slice(%slice.1), slice={[8:72]}
+}
+"""
+    assert cost.step_cost(text)["movement_elements"] == 64
