@@ -12,8 +12,14 @@ def test_which_specs_name_gloo(spec, gloo):
     assert gloo_groups._names_gloo(spec) is gloo
 
 
-def test_gloo_default_group_made_before_registration_names_the_call():
-    """Handed every collective of DeepSpeed, a plain gloo default group would read no XLA data."""
+def test_gloo_default_group_made_before_registration_names_the_call(monkeypatch):
+    """Handed every collective of DeepSpeed, a plain gloo default group would read no XLA data.
+
+    torch's own group factory for this test: another test of this process may have registered the backend, after
+    which gloo groups are xla_host groups."""
+    from torch.distributed import distributed_c10d
+    helper = distributed_c10d._new_process_group_helper
+    monkeypatch.setattr(distributed_c10d, "_new_process_group_helper", getattr(helper, "__wrapped__", helper))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(RuntimeError, match=r"default group is 'gloo': init_process_group\(\) ran before "
