@@ -96,9 +96,11 @@ def current_device():
     return torch_xla().device()
 
 
-def is_pending(tensor) -> bool:
-    """Whether an XLA tensor's value is still an unexecuted graph (it has no device buffer yet)."""
-    return bool(torch_xla()._XLAC._check_tensor_need_materialization([tensor])[0])
+def pending(tensors) -> list:
+    """For each XLA tensor, whether its value is still an unexecuted graph (it has no device buffer yet)."""
+    if not tensors:
+        return []
+    return [bool(flag) for flag in torch_xla()._XLAC._check_tensor_need_materialization(list(tensors))]
 
 
 class DeviceOutOfMemory(RuntimeError):

@@ -140,7 +140,8 @@ def make_process_group_class():
             A member that drops the result (the non-roots of reduce and gather, a caller's temporary bucket) would
             leave the collective out of its graph, and the members that kept theirs would wait for it for ever;
             torch_xla's reduce and gather cut the graph after each tensor instead."""
-            kept = [t for t in self.__dict__.get("_kept", []) if xla_runtime.is_pending(t)]
+            kept = self.__dict__.get("_kept", [])
+            kept = [t for t, pending in zip(kept, xla_runtime.pending(kept)) if pending]
             if result.numel():
                 kept.append(result.detach().reshape(-1)[:1])
             self.__dict__["_kept"] = kept
@@ -151,8 +152,10 @@ def make_process_group_class():
                 return xla_runtime.xm().REDUCE_SUM, 1.0 / self.size()
             return self._get_reduce_type(op), 1.0
 
-        def _via_device(self, tensors: List[torch.Tensor], op: Callable[[List[torch.Tensor]], object]):
-            """Run ``op`` on device copies of CPU tensors and copy the results back.
+        def _via_device(self, tensors: List[torch.Tensor], op: Callable[[List[torch.Tensor]], object],
+                        written: Optional[List[torch.Tensor]] = None):
+            """Run ``op`` on device copies of CPU tensors and copy back those it writes (``written``; all of them by
+            default: in place).
 
             Reading them back waits for the peers (the object collectives): the watchdog counts it as a wait, so
             that a peer that ended meanwhile is this rank's failure instead of a wait for ever."""
@@ -160,7 +163,9 @@ def make_process_group_class():
                 return op(tensors)
             staged = [t if t.device.type == "xla" else t.to(self._device()) for t in tensors]
             op(staged)
-            copies = [(original, result) for original, result in zip(tensors, staged) if original is not result]
+            outputs = {id(t) for t in (tensors if written is None else written)}
+            copies = [(original, result) for original, result in zip(tensors, staged)
+                      if original is not result and id(original) in outputs]
             with watchdog.waiting():
                 for original, result in copies:
                     original.copy_(result.cpu())
@@ -186,10 +191,8 @@ def make_process_group_class():
             return self._via_device(tensors, op)
 
         def allreduce_coalesced(self, tensors, opts):
-            """One all-reduce of every tensor."""
-            all_opts = dist.AllreduceOptions()
-            all_opts.reduceOp = opts.reduceOp
-            return self.allreduce(tensors, all_opts)
+            """One all-reduce of every tensor (``allreduce`` reads only the options' ``reduceOp``)."""
+            return self.allreduce(tensors, opts)
 
         def broadcast(self, tensors, opts):
             """The root's data and zeros from every other member, summed over the group: torch_xla's version maps
@@ -238,7 +241,7 @@ def make_process_group_class():
                             target.copy_(row.reshape(target.shape))
                 return _done(staged)
 
-            return self._via_device(list(input_tensors) + outputs, op)
+            return self._via_device(list(input_tensors) + outputs, op, written=outputs)
 
         def scatter(self, output_tensors, input_tensors_list, opts):
             """A sum-reduce-scatter of the root's pieces and zeros from every other member."""
@@ -256,7 +259,7 @@ def make_process_group_class():
                         target.copy_(chunk.reshape(target.shape))
                 return _done(staged)
 
-            return self._via_device(list(output_tensors) + inputs, op)
+            return self._via_device(list(output_tensors) + inputs, op, written=list(output_tensors))
 
         def _reduce_scatter_base(self, output, input, opts):
             """``input`` holds the members' pieces one after another (concatenated or stacked on dim 0)."""
@@ -281,7 +284,7 @@ def make_process_group_class():
                 nested = [[next(it) for _ in outputs] for outputs in output_lists]
                 return super(DeepSpeedXlaProcessGroup, self).allgather(nested, staged_inputs, opts)
 
-            return self._via_device(list(inputs) + flat, op)
+            return self._via_device(list(inputs) + flat, op, written=flat)
 
         def allgather_coalesced(self, output_lists, inputs, opts=None):
             """One all-gather of every input; ``output_lists[member]`` takes each input of that member (torch's
