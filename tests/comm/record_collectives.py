@@ -101,7 +101,7 @@ def _record_run(name: str) -> None:
     from tests.multiproc import ds_config, launch_command, run_job
     ranks, config, train_args = RUNS[name]
     base = ds_config(config["zero_optimization"]["stage"], micro_batch=2)
-    base.update({key: value for key, value in config.items()})
+    base.update(config)
     RECORDINGS.mkdir(exist_ok=True)
     config_path = RECORDINGS / f"{name}.json"
     config_path.write_text(json.dumps(base, indent=1) + "\n")
