@@ -16,6 +16,8 @@ import stat
 import warnings
 from typing import Optional
 
+from deepspeed_xla import mounts
+
 LATEST = "latest"
 SAVING_SUFFIX = ".saving"
 REPLACED_SUFFIX = ".replaced"  # an old tag moved aside where folders cannot be swapped
@@ -36,7 +38,8 @@ def fsync(path: str) -> None:
 
 def check_save_dir(save_dir: str) -> None:
     """Refuse a ``save_dir`` (or, not made yet, the folder it will be made in) that every user may write to and that
-    lacks the sticky bit: anyone could leave a symbolic link there for a save to write through, or swap a tag."""
+    lacks the sticky bit: anyone could leave a symbolic link there for a save to write through, or swap a tag. Refuse
+    one on a filesystem that renames folders file by file (``mounts``): a tag could hold part of a checkpoint."""
     folder = os.path.abspath(save_dir)
     while not os.path.exists(folder) and os.path.dirname(folder) != folder:
         folder = os.path.dirname(folder)
@@ -47,6 +50,9 @@ def check_save_dir(save_dir: str) -> None:
                          f"{stat.S_IMODE(mode):o}, no sticky bit): another user could leave a symbolic link there that "
                          f"a save would write through, or replace a checkpoint. Run `chmod o-w {folder}` (or "
                          f"`chmod +t {folder}`), or save to a folder only you can write.")
+    problem = mounts.copying_rename_problem(folder)
+    if problem:
+        raise OSError(errno.EOPNOTSUPP, f"deepspeed_xla: the checkpoint folder {problem}")
 
 
 def _write_new(path: str, text: str) -> None:

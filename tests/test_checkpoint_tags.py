@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from deepspeed_xla import checkpoint_tags
+from deepspeed_xla import checkpoint_tags, mounts
 
 
 def test_latest_names_the_tag_after_its_folder_is_synced(tmp_path, monkeypatch):
@@ -158,3 +158,18 @@ def test_a_save_dir_every_user_may_write_to_is_refused_without_the_sticky_bit(tm
         assert (f"every user may write to the checkpoint folder {shared} (mode 777, no sticky bit)" in str(error.value)
                 and f"Run `chmod o-w {shared}` (or `chmod +t {shared}`)" in str(error.value)), str(error.value)
     assert stat.S_IMODE(shared.stat().st_mode) == mode
+
+
+def test_a_save_dir_on_a_filesystem_that_renames_folders_file_by_file_is_refused(tmp_path, monkeypatch):
+    """gcsfuse without hierarchical namespace: a checkpoint's rename to its tag copies file by file."""
+    save_dir = tmp_path / "ckpt"
+    info = tmp_path / "mountinfo"
+    info.write_text(f"22 1 252:1 / / rw - ext4 /dev/vda1 rw\n30 22 0:52 / {tmp_path} rw - fuse.gcsfuse flat rw\n")
+    monkeypatch.setattr(mounts, "MOUNTINFO", str(info))
+    monkeypatch.delenv(mounts.ATOMIC_RENAMES_ENV, raising=False)
+    with pytest.raises(OSError) as error:
+        checkpoint_tags.check_save_dir(str(save_dir))
+    assert (f"deepspeed_xla: the checkpoint folder {tmp_path} is on fuse.gcsfuse (flat mounted at {tmp_path})"
+            in str(error.value) and f"set {mounts.ATOMIC_RENAMES_ENV}=1" in str(error.value)), str(error.value)
+    monkeypatch.setenv(mounts.ATOMIC_RENAMES_ENV, "1")  # a bucket with hierarchical namespace
+    checkpoint_tags.check_save_dir(str(save_dir))
