@@ -29,7 +29,8 @@ _ESCAPE = re.compile(r"\\([$`])")
 #: Variables that choose which programs, libraries and Python code every process of the job loads: a
 #: ``.deepspeed_env`` sets them only when the launching shell lists them in ``ALLOW_ENV``.
 LOADER_VARIABLES = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "PATH", "PYTHONPATH", "PYTHONHOME",
-                    "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONBREAKPOINT", "BASH_ENV", "ENV")
+                    "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONBREAKPOINT", "BASH_ENV", "ENV",
+                    "TPU_LIBRARY_PATH", "TORCH_EXTENSIONS_DIR")  # the libtpu.so torch_xla loads; DeepSpeed's op .so
 #: Comma-separated names of ``LOADER_VARIABLES`` the env files may set; read from the shell only.
 ALLOW_ENV = "DS_XLA_ENV_FILE_ALLOW"
 

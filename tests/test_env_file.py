@@ -121,7 +121,8 @@ def test_a_file_another_user_owns_is_refused(tmp_path, monkeypatch):
 
 
 def test_loader_variables_are_refused_unless_the_shell_allows_them(tmp_path, monkeypatch):
-    assert {"LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PATH"} <= {
+    assert {"LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PATH", "TPU_LIBRARY_PATH",
+            "TORCH_EXTENSIONS_DIR"} <= {
         *LOADER_VARIABLES}
     _env_file(tmp_path, monkeypatch, "LD_PRELOAD=/opt/libtcmalloc.so\nOTHER=1\nPYTHONPATH=/opt/lib\n")
     with pytest.raises(ValueError, match=r"\.deepspeed_env sets LD_PRELOAD, PYTHONPATH, which choose the programs and "
