@@ -185,10 +185,13 @@ def make_batch(step: int, rank: int, batch: int, seq: int, vocab: int):
 
 
 def graph_counters() -> dict:
-    """XLA compilations/executions/transfers so far (empty on other accelerators)."""
+    """XLA compilations/executions/transfers so far (empty on other accelerators); with DS_XLA_COUNT_COLLECTIVES,
+    the collectives issued so far are marked at the same point (deepspeed_xla.comm.accounting)."""
     if get_accelerator().device_name() != "xla":
         return {}
+    from deepspeed_xla.comm import accounting
     from deepspeed_xla.xla_runtime import graph_counters as xla_counters
+    accounting.mark()
     return xla_counters()
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, ProcessGroup
 
-from deepspeed_xla.comm import host_buffers, staging, watchdog
+from deepspeed_xla.comm import accounting, host_buffers, staging, watchdog
 from deepspeed_xla.comm.agreement import Agreement, signature
 from deepspeed_xla.comm.work import ISSUED, HostWork, PendingWork, completed_work as _done, wait_all
 
@@ -72,6 +72,7 @@ def _gloo_group(store, rank: int, size: int, timeout: timedelta, lazy: bool) -> 
             os.environ[_GLOO_LAZY] = previous
 
 
+@accounting.instrument
 class HostStagedProcessGroup(ProcessGroup):
     """Collectives for XLA tensors over gloo, staged through host memory."""
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_xla import xla_runtime
-from deepspeed_xla.comm import watchdog
+from deepspeed_xla.comm import accounting, watchdog
 from deepspeed_xla.comm.host_staged import HostStagedProcessGroup
 from deepspeed_xla.comm.work import completed_work as _done
 
@@ -361,7 +361,7 @@ def make_process_group_class():
 
     for name in _COLLECTIVES:
         setattr(DeepSpeedXlaProcessGroup, name, _xla_or_host(name, getattr(DeepSpeedXlaProcessGroup, name)))
-    return DeepSpeedXlaProcessGroup
+    return accounting.instrument(DeepSpeedXlaProcessGroup)
 
 
 @watchdog.watched
