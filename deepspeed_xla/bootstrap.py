@@ -21,6 +21,10 @@ ACCELERATOR_NAME = "xla"
 PTH_FILE = "deepspeed_xla.pth"
 #: Set to 1 to keep the hook out of an interpreter.
 DISABLE_VARIABLE = "DS_XLA_DISABLE_HOOK"
+#: The job's secret for the rendezvous store (``comm/authentication.py``), and the file through which a pdsh host's
+#: launcher gets it (``patches/launcher.py``): a command line is logged and every user of the host can read it.
+JOB_SECRET = "DS_XLA_JOB_SECRET"
+JOB_SECRET_FILE = "DS_XLA_JOB_SECRET_FILE"
 
 _PATCHES_HOOK = ("deepspeed_xla.patches", "on_module_loaded")
 # module -> (our module, function) run right after that module's body executed. The patched modules
@@ -127,10 +131,26 @@ def is_active() -> bool:
     return any(isinstance(f, _DeepSpeedFinder) for f in sys.meta_path)
 
 
+def _secret_from_file() -> None:
+    """Move the job's secret from the file pdsh's command names into this process's environment, which the ranks
+    it starts inherit, and remove the file: read once, by the host's first Python process."""
+    path = os.environ.pop(JOB_SECRET_FILE, "")
+    if not path:
+        return
+    path = os.path.expanduser(path)
+    try:
+        with open(path, encoding="utf-8") as file:
+            os.environ[JOB_SECRET] = file.read().strip()
+        os.unlink(path)
+    except OSError as error:  # the ranks then stop at their first process group, naming the secret's difference
+        sys.stderr.write(f"[deepspeed_xla] cannot read this job's {JOB_SECRET} from {path}: {error}\n")
+
+
 def install() -> None:
     """Install the finder once per interpreter (``DS_XLA_DISABLE_HOOK=1`` turns it off)."""
     if os.environ.get(DISABLE_VARIABLE) == "1":
         return
+    _secret_from_file()
     if is_active():
         return
     sys.meta_path.insert(0, _DeepSpeedFinder())

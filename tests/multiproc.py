@@ -403,7 +403,7 @@ def remove_cpu_comm_buffers(master_port: str) -> None:
         buffer.unlink(missing_ok=True)
 
 
-def run_job(cmd: List[str], env: dict, cwd: Path, timeout: float) -> None:
+def run_job(cmd: List[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """Run a ``launch_command`` to its end; it must succeed."""
     port = next((cmd[i + 1] for i, arg in enumerate(cmd) if arg in ("--master_port", "--main_process_port")),
                 env.get("MASTER_PORT"))
@@ -413,6 +413,7 @@ def run_job(cmd: List[str], env: dict, cwd: Path, timeout: float) -> None:
         if port:
             remove_cpu_comm_buffers(port)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
 
 
 def read_results(out: Path, num_procs: int) -> dict:

@@ -108,3 +108,11 @@ def test_a_failing_frozen_import_leaves_the_collector_on(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="broken at import"):
         import dsx_broken_framework  # noqa: F401
     assert gc.isenabled() and gc.get_freeze_count() > frozen
+
+
+def test_a_secret_file_that_cannot_be_read_is_said_and_leaves_no_secret(tmp_path):
+    """The ranks then stop at their first process group (comm/test_authentication.py): here, only what is said."""
+    proc = _python("import os; print(os.environ.get('DS_XLA_JOB_SECRET'), 'DS_XLA_JOB_SECRET_FILE' in os.environ)",
+                   DS_XLA_JOB_SECRET_FILE=str(tmp_path / "gone"))
+    assert proc.stdout.split() == ["None", "False"]
+    assert f"cannot read this job's DS_XLA_JOB_SECRET from {tmp_path / 'gone'}" in proc.stderr, proc.stderr

@@ -3,8 +3,10 @@
 The store is a control channel: a failure written there stops every rank, which prints it; a checkpoint step makes
 every rank save and stop; a process registration names the pid a rank's peers watch. torch's TCPStore has no
 authentication: whoever reaches MASTER_PORT may write any key. With ``DS_XLA_JOB_SECRET`` set to one secret on every
-rank (the multi-node runner forwards ``DS_XLA_*`` to every host), each such value carries an HMAC of its key and
-text; a value without a valid one is ignored and said once. Unset, values are taken as they are, as before.
+rank (the ``deepspeed`` runner makes one where it starts every host's ranks, never on a command line:
+``patches/launcher.py``), each such value carries an HMAC of its key and text; a value without a valid one is
+ignored and said once. Unset (``torchrun``, ``srun`` or ``mpirun`` without the runner, ``--no_ssh``) or set empty,
+values are taken as they are.
 """
 import hashlib
 import hmac
@@ -13,7 +15,7 @@ import sys
 from datetime import timedelta
 from typing import Optional
 
-SECRET_ENV = "DS_XLA_JOB_SECRET"
+from deepspeed_xla.bootstrap import JOB_SECRET as SECRET_ENV
 
 
 class Signer:

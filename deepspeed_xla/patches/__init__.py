@@ -132,6 +132,8 @@ PATCHES = [
     Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_NAME", launcher.runner_env_name, "d40ac82930b5b28f",
           reads=("main", )),
     Patch("deepspeed.launcher.runner", "", "_parse_hostfile", launcher.hostfile_without_options, "626e2273661134df"),
+    Patch("deepspeed.launcher.runner", "", "parse_args", launcher.runner_makes_a_secret, "845642aa86e39fa8",
+          reads=("parse_args", "main")),
     Patch(_MULTINODE_RUNNER, "MultiNodeRunner", "add_export", launcher.exports_exact_values, "ed7829601147cf59"),
     Patch(_MULTINODE_RUNNER, "PDSHRunner", "get_cmd", launcher.pdsh_checks_every_host, "c9fadd8a8a4c1cff"),
     *(Patch(_MULTINODE_RUNNER, runner, "get_cmd", launcher.exports_rendezvous, digest)

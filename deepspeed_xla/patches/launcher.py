@@ -11,15 +11,23 @@
   ``--export`` splits at commas: a value with one travels in srun's own environment instead.
 - OpenMPI, MVAPICH and Slurm start the script without DeepSpeed's launcher and never pass it the runner's
   ``--master_addr``/``--master_port``; they are exported, so ``launch_env.fill_scheduler_env`` can use them.
+- The job's secret for the rendezvous store (``comm/authentication.py``) is made by the runner where it starts every
+  host's ranks (not with ``--no_ssh``: one runner per host) and never exported: the runner logs its command and every
+  user of a host can read a command line. The ranks inherit it from the runner's environment (one host; Slurm's
+  ``--export=ALL``; the hydra launchers of MPICH, Intel MPI and MVAPICH, which pass their environment), OpenMPI gets
+  its name only (``-x NAME``: mpirun reads the value), and pdsh hosts get it through ssh's standard input into a file
+  only the user can read, which the host's launcher moves into its environment (``bootstrap``).
 """
 import functools
 import os
+import secrets
 import shlex
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Sequence
 
 from deepspeed_xla import env_vars
+from deepspeed_xla.bootstrap import JOB_SECRET, JOB_SECRET_FILE
 
 #: How long one host's ssh check may take by default: a host that does not answer within it is reported unreachable.
 SSH_CHECK_TIMEOUT = 15
@@ -77,15 +85,24 @@ def ssh_check_timeout() -> float:
         or SSH_CHECK_TIMEOUT
 
 
-def unreachable_hosts(hosts: Sequence[str], ssh_args: Sequence[str]) -> Dict[str, str]:
-    """The hosts that ``ssh <ssh_args> <host> true`` cannot reach, all checked at once, with ssh's last words."""
+def _secret_file_command(path: str) -> str:
+    """The remote shell command that writes its standard input to ``path`` (under ``~``), readable by the user only."""
+    folder = os.path.dirname(path)
+    return f"umask 077 && mkdir -p {folder} && cat > {path}"
+
+
+def unreachable_hosts(hosts: Sequence[str], ssh_args: Sequence[str], secret: str = "", path: str = "") -> Dict[str, str]:
+    """The hosts that ``ssh <ssh_args> <host> true`` cannot reach, all checked at once, with ssh's last words. With a
+    ``secret``, the same ssh writes it to ``path`` on each host (through its standard input: on no command line), with
+    pdsh's ``%n`` in it replaced by the host's place in ``hosts``: hosts may share a home folder."""
     timeout = ssh_check_timeout()
 
     def check(host: str) -> str:
+        command = _secret_file_command(path.replace("%n", str(hosts.index(host)))) if secret else "true"
         cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, round(timeout))}", *ssh_args, "--", host,
-               "true"]
+               command]
         try:
-            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(cmd, input=secret, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return (f"no answer within {timeout:g} s (a host that is slow to answer: raise the limit with "
                     f"{SSH_CHECK_TIMEOUT_ENV}=<seconds>)")
@@ -99,12 +116,18 @@ def unreachable_hosts(hosts: Sequence[str], ssh_args: Sequence[str]) -> Dict[str
 def pdsh_checks_every_host(original):
     """``PDSHRunner.get_cmd``: refuse to launch while a host of the hostfile cannot be reached over ssh with the
     options pdsh will use, naming each such host. ``--no_ssh_check`` does not skip it: that skips DeepSpeed's
-    check of the first host with plain ``ssh``, which users turn off when only pdsh's options reach the hosts."""
+    check of the first host with plain ``ssh``, which users turn off when only pdsh's options reach the hosts. The
+    same ssh hands each host the job's secret (module docstring)."""
 
     @functools.wraps(original)
     def get_cmd(self, environment, active_resources):
+        secret = environment.get(JOB_SECRET, "")
+        path = f"~/.cache/deepspeed_xla/job-secret-{secrets.token_hex(8)}-%n" if secret else ""  # %n: pdsh's node rank
+        if secret:
+            self.add_export(JOB_SECRET_FILE, path)  # a name, not the secret
         cmd, kill_cmd, env = original(self, environment, active_resources)
-        failures = unreachable_hosts(list(active_resources), shlex.split(env.get("PDSH_SSH_ARGS_APPEND", "")))
+        failures = unreachable_hosts(list(active_resources), shlex.split(env.get("PDSH_SSH_ARGS_APPEND", "")), secret,
+                                     path)
         if failures:
             listed = "; ".join(f"{host}: {why}" for host, why in failures.items())
             raise RuntimeError(
@@ -120,7 +143,8 @@ def pdsh_checks_every_host(original):
 def exports_rendezvous(original):
     """``get_cmd`` of the runners that start the script directly: export the runner's master address and port
     (unless ``.deepspeed_env`` or the environment already did). srun: a value with a comma, which ``--export=ALL,...``
-    would cut at the comma, goes in srun's own environment instead, which ``ALL`` hands every task."""
+    would cut at the comma, goes in srun's own environment instead, which ``ALL`` hands every task. OpenMPI: the job's
+    secret by name (module docstring)."""
 
     @functools.wraps(original)
     def get_cmd(self, environment, active_resources):
@@ -130,18 +154,37 @@ def exports_rendezvous(original):
         if self.name == "slurm":
             for key in [key for key, value in self.exports.items() if "," in value]:
                 environment[key] = self.exports.pop(key)
-        return original(self, environment, active_resources)
+        cmd = original(self, environment, active_resources)
+        if self.name == "openmpi" and environment.get(JOB_SECRET):
+            cmd[1:1] = ["-x", JOB_SECRET]  # mpirun hands every rank its own value of it
+        return cmd
 
     return get_cmd
 
 
 def exports_exact_values(original):
-    """``MultiNodeRunner.add_export``: the value arrives as written. pdsh's remote shell gets it shell-quoted
+    """``MultiNodeRunner.add_export``: the value arrives as written, and the job's secret not at all. pdsh's remote shell gets it shell-quoted
     (which also keeps ``"``, ``$`` and backquotes); the MPI launchers and srun take it as one argument, unquoted."""
 
     @functools.wraps(original)
     def add_export(self, key, var):
+        if key.strip() == JOB_SECRET:
+            return  # it reaches the hosts on no command line (module docstring)
         var = var.strip()
         self.exports[key.strip()] = shlex.quote(var) if self.name == "pdsh" else var
 
     return add_export
+
+
+def runner_makes_a_secret(original):
+    """``runner.parse_args``: where this runner starts every host's ranks (not ``--no_ssh``), make the job's secret
+    unless the user set one (set empty: none)."""
+
+    @functools.wraps(original)
+    def parse_args(args=None):
+        parsed = original(args)
+        if JOB_SECRET not in os.environ and not parsed.no_ssh:
+            os.environ[JOB_SECRET] = secrets.token_hex(32)
+        return parsed
+
+    return parse_args

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence
 import psutil
 import pytest
 
+from deepspeed_xla.bootstrap import JOB_SECRET, JOB_SECRET_FILE
 from deepspeed_xla.launch_env import free_port
 from tests import services
 from tests.conftest import FAST_COMPILE, FIXTURES, VENV_BIN, clean_env
@@ -71,10 +72,35 @@ def deepspeed(*args: str) -> List[str]:
 
 def trained(workdir: Path, command: List[str], hosts: Optional[str] = "localhost slots=2\n",
             env: Optional[dict] = None) -> dict:
-    """``_command``'s run, which must succeed; every rank's JSON (``read_results``)."""
+    """``_command``'s run, which must succeed; every rank's JSON (``read_results``) and, under ``"output"``, what the
+    command printed."""
     cmd, env, out = _command(workdir, command, hosts, env)
-    run_job(cmd, env, workdir, timeout=300)
-    return read_results(out, 2)
+    proc = run_job(cmd, env, workdir, timeout=300)
+    return {**read_results(out, 2), "output": proc.stdout + proc.stderr}
+
+
+def probed(workdir: Path, *recorded: str, **values: str) -> dict:
+    """A ``.deepspeed_env`` in ``workdir`` (which the runner hands every host) with ``values`` and the runtime probe,
+    which records ``recorded`` and the job's secret in every process; the probe's log is ``runtime.jsonl``."""
+    values = {"PYTHONPATH": str(PROBE_DIR), "DSX_TEST_RUNTIME_LOG": str(workdir / "runtime.jsonl"),
+              "DSX_TEST_RECORD_ENV": ",".join([*recorded, JOB_SECRET, JOB_SECRET_FILE]), **values}
+    (workdir / ".deepspeed_env").write_text("".join(f"{key}={value}\n" for key, value in values.items()))
+    return {"DS_XLA_ENV_FILE_ALLOW": "PYTHONPATH", "PYTHONPATH": None}
+
+
+def runtime(workdir: Path) -> List[dict]:
+    """Every probed process's record (``probed``)."""
+    return [json.loads(line) for line in (workdir / "runtime.jsonl").read_text().splitlines()]
+
+
+def assert_one_secret_on_no_command_line(run: dict, records: List[dict]) -> None:
+    """Every rank and host launcher has the one secret the runner made, and the runner's log (its command) lacks it."""
+    ranks = [record for record in records if record["argv"][0].endswith("train.py")]
+    secrets = {record["env"][JOB_SECRET] for record in records}
+    assert len(ranks) == 2 and len(secrets) == 1, records
+    [secret] = secrets
+    assert secret and len(secret) == 64 and secret not in run["output"], secret
+    assert not any(record["env"][JOB_SECRET_FILE] for record in records)
 
 
 @pytest.fixture(scope="module")
@@ -97,19 +123,17 @@ def pdsh_run(tmp_path_factory, sshd) -> dict:
     """``deepspeed --hostfile`` over pdsh and ssh to two loopback host names, one rank each, ``DS_ACCELERATOR``
     and the rest only in the runner's ``.deepspeed_env``; every process records its environment at exit."""
     workdir = tmp_path_factory.mktemp("pdsh")
-    log = workdir / "runtime.jsonl"
     recorded = [*ENV_FILE_VALUES, *SHELL_WINS, "HOME", "RANK", "CROSS_RANK", "PJRT_DEVICE", "XLA_FLAGS"]
-    lines = {"PYTHONPATH": os.pathsep.join([str(PROBE_DIR), str(FIXTURES / "cpuinfo_cache")]),
-             "DSX_TEST_RUNTIME_LOG": str(log), "DSX_TEST_RECORD_ENV": ",".join(recorded), **ENV_FILE_VALUES,
-             **dict.fromkeys(SHELL_WINS, "file")}
-    # Blank and comment lines and ``export``, which DeepSpeed's own parser of the file would fail on.
-    (workdir / ".deepspeed_env").write_text("\n# cluster settings\nexport DS_ACCELERATOR=xla\n" + "".join(
-        f"{key}={value}\n" for key, value in lines.items()))
     # PYTHONPATH only in .deepspeed_env (the shell's would win), which the shell must allow.
-    env = _pdsh_env(sshd, DS_ACCELERATOR=None, PYTHONPATH=None, DS_XLA_ENV_FILE_ALLOW="PYTHONPATH", **SHELL_WINS)
+    env = probed(workdir, *recorded, PYTHONPATH=os.pathsep.join([str(PROBE_DIR), str(FIXTURES / "cpuinfo_cache")]),
+                 **ENV_FILE_VALUES, **dict.fromkeys(SHELL_WINS, "file"))
+    # Blank and comment lines and ``export``, which DeepSpeed's own parser of the file would fail on.
+    env_file = workdir / ".deepspeed_env"
+    env_file.write_text("\n# cluster settings\nexport DS_ACCELERATOR=xla\n" + env_file.read_text())
+    env = _pdsh_env(sshd, DS_ACCELERATOR=None, **env, **SHELL_WINS)
     result = trained(workdir, deepspeed("--ssh_port", sshd["port"], "--no_ssh_check"),
                      hosts="localhost slots=1\n127.0.0.1 slots=1\n", env=env)
-    return {**result, "runtime": [json.loads(line) for line in log.read_text().splitlines()]}
+    return {**result, "runtime": runtime(workdir)}
 
 
 def test_pdsh_over_ssh_matches_cpu_accelerator(pdsh_run, cpu_run):
@@ -129,6 +153,12 @@ def test_pdsh_hosts_get_the_runners_deepspeed_env(pdsh_run, sshd):
         assert record["env"]["PJRT_DEVICE"] == "CPU"
         assert record["env"]["XLA_FLAGS"].startswith(FAST_COMPILE["XLA_FLAGS"]), record["env"]["XLA_FLAGS"]
     assert all(w["runtime_started"] for w in workers) and not any(r["torch_xla_imported"] for r in launchers)
+
+
+def test_pdsh_hosts_get_the_job_secret_on_no_command_line(pdsh_run, sshd):
+    """The runner made it; ssh's standard input put it in a file on each host, which the host's launcher removed."""
+    assert_one_secret_on_no_command_line(pdsh_run, pdsh_run["runtime"])
+    assert not list((Path(sshd["home"]) / ".cache" / "deepspeed_xla").iterdir())
 
 
 def test_unreachable_host_stops_the_runner_naming_it(tmp_path, sshd):
@@ -215,16 +245,19 @@ def test_a_rank_killed_on_one_no_ssh_node_stops_the_other_node(tmp_path):
 
 
 def test_openmpi_matches_cpu_accelerator(tmp_path, cpu_run):
-    env = {**OPENMPI_AS_ROOT, **_mpirun(tmp_path / "bin", "openmpi")}
+    env = {**OPENMPI_AS_ROOT, **_mpirun(tmp_path / "bin", "openmpi"), **probed(tmp_path)}
     xla = trained(tmp_path, deepspeed("--force_multi", "--no_ssh_check", "--launcher", "openmpi",
                                       "--launcher_args", OPENMPI_ARGS), env=env)
     assert_trains_like(xla, cpu_run, "float32")
+    assert_one_secret_on_no_command_line(xla, runtime(tmp_path))
 
 
 def test_mpich_matches_cpu_accelerator(tmp_path, cpu_run):
+    env = {**_mpirun(tmp_path / "bin", "mpich"), **probed(tmp_path)}
     xla = trained(tmp_path, deepspeed("--force_multi", "--no_ssh_check", "--launcher", "mpich",
-                                      f"--launcher_args={MPICH_ARGS}"), env=_mpirun(tmp_path / "bin", "mpich"))
+                                      f"--launcher_args={MPICH_ARGS}"), env=env)
     assert_trains_like(xla, cpu_run, "float32")
+    assert_one_secret_on_no_command_line(xla, runtime(tmp_path))
 
 
 @pytest.fixture(scope="module")
@@ -242,16 +275,15 @@ def test_deepspeed_slurm_launcher_matches_cpu_accelerator(tmp_path, slurm, cpu_r
     shell's wins; DS_ACCELERATOR only in the file. srun's ``--export=ALL`` lets the caller's environment (the
     runner's, which holds both) beat its ``NAME=value`` entries (srun(1)), so this holds with DeepSpeed's command
     too: the cut ``--export`` entry is checked in tests/patches/test_launcher.py."""
-    log = tmp_path / "runtime.jsonl"
-    (tmp_path / ".deepspeed_env").write_text("DS_ACCELERATOR=xla\n" + "".join(
-        f"{key}={value}\n" for key, value in {**COMMAS, **dict.fromkeys(SHELL_WINS, "file")}.items()))
-    env = {**slurm, "PYTHONPATH": str(PROBE_DIR), "DSX_TEST_RUNTIME_LOG": str(log), "DS_ACCELERATOR": None,
-           "DSX_TEST_RECORD_ENV": ",".join([*COMMAS, *SHELL_WINS]), **SHELL_WINS}
+    env = {**slurm, **probed(tmp_path, *COMMAS, *SHELL_WINS, DS_ACCELERATOR="xla", **COMMAS,
+                             **dict.fromkeys(SHELL_WINS, "file")), "DS_ACCELERATOR": None, **SHELL_WINS}
     xla = trained(tmp_path, deepspeed("--force_multi", "--no_ssh_check", "--launcher", "slurm"), env=env)
     assert_trains_like(xla, cpu_run, "float32")
-    workers = [record for record in map(json.loads, log.read_text().splitlines())
-               if record["argv"][0].endswith("train.py")]
-    assert [record["env"] for record in workers] == [{**COMMAS, **SHELL_WINS}] * 2
+    records = runtime(tmp_path)
+    workers = [record for record in records if record["argv"][0].endswith("train.py")]
+    assert [{key: record["env"][key] for key in (*COMMAS, *SHELL_WINS)} for record in workers] == [
+        {**COMMAS, **SHELL_WINS}] * 2
+    assert_one_secret_on_no_command_line(xla, records)
 
 
 def test_srun_without_ntasks_per_node_matches_cpu_accelerator(tmp_path, slurm, cpu_run):

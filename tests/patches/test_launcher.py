@@ -1,6 +1,8 @@
 """``patches/launcher.py``: what DeepSpeed's multi-node runners export arrives as written, the runners that start
-the script directly pass on the rendezvous address, and pdsh refuses hosts ssh cannot reach."""
+the script directly pass on the rendezvous address, pdsh refuses hosts ssh cannot reach, and the job's secret is made
+by the runner and reaches every host on no command line."""
 import os
+import shlex
 import subprocess
 import sys
 
@@ -8,6 +10,7 @@ import pytest
 from deepspeed.launcher import multinode_runner
 from deepspeed.launcher.runner import parse_args
 
+from deepspeed_xla.bootstrap import JOB_SECRET, JOB_SECRET_FILE
 from deepspeed_xla.patches import launcher
 from tests.conftest import clean_env
 
@@ -124,3 +127,70 @@ def test_the_runners_copy_of_the_deepspeed_env_is_never_on_disk(tmp_path):
     path = _runners_deepspeed_env(tmp_path, "TOKEN=secret\n", {}).stdout.splitlines()[0]
     assert sorted(entry.name for entry in tmp_path.iterdir()) == ["home"], "a copy left in TMPDIR"
     assert path.startswith("/proc/self/fd/")
+
+
+def test_the_runner_makes_a_secret_unless_one_is_set_or_each_host_has_its_own_runner(monkeypatch):
+    from deepspeed.launcher import runner
+    arguments = ["--master_port", "1234", "train.py"]
+    monkeypatch.delenv(JOB_SECRET, raising=False)
+    runner.parse_args(arguments)
+    made = os.environ[JOB_SECRET]
+    assert len(made) == 64 and int(made, 16)
+    monkeypatch.delenv(JOB_SECRET)
+    runner.parse_args(arguments)
+    assert os.environ[JOB_SECRET] != made, "one secret per job"
+    for set_by_user in ("mine", ""):  # empty: none
+        monkeypatch.setenv(JOB_SECRET, set_by_user)
+        runner.parse_args(arguments)
+        assert os.environ[JOB_SECRET] == set_by_user
+    monkeypatch.delenv(JOB_SECRET)
+    runner.parse_args(["--no_ssh", "--node_rank", "0", *arguments])  # one runner per host: they cannot agree
+    assert JOB_SECRET not in os.environ
+
+
+SECRET = "0123abcd" * 8
+
+
+@pytest.mark.parametrize("cls, name", [(multinode_runner.OpenMPIRunner, "openmpi"),
+                                       (multinode_runner.MPICHRunner, "mpich"),
+                                       (multinode_runner.MVAPICHRunner, "mvapich"),
+                                       (multinode_runner.SlurmRunner, "slurm")])
+def test_the_direct_launchers_hand_the_secret_on_no_command_line(cls, name, monkeypatch, tmp_path):
+    """DeepSpeed's runner exports ``DS_XLA_*`` and logs its command: the secret is not among the exports. OpenMPI
+    is given its name; the others pass their environment (``--export=ALL``, hydra) to every rank."""
+    monkeypatch.chdir(tmp_path)  # MVAPICH's runner writes a hostfile in the working folder
+    runner = _runner(cls, name)
+    runner.add_export(JOB_SECRET, SECRET)
+    cmd = runner.get_cmd({JOB_SECRET: SECRET}, {"localhost": [0, 1]})
+    assert JOB_SECRET not in runner.exports and not any(SECRET in arg for arg in cmd), cmd
+    assert (cmd[:3] == ["mpirun", "-x", JOB_SECRET]) == (name == "openmpi"), cmd
+
+
+def test_pdsh_hands_each_host_the_secret_through_ssh_into_a_file_its_launcher_reads_and_removes(tmp_path,
+                                                                                                 monkeypatch):
+    home, fake_bin = tmp_path / "home", tmp_path / "bin"
+    home.mkdir()
+    fake_bin.mkdir()
+    # ssh <options> -- <host> <command>: run the command here, as the host's shell would, with its own HOME.
+    (fake_bin / "ssh").write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path}/ssh.log\nwhile [ \"$1\" != -- ]; do shift; "
+                                  f"done\nHOME={home} exec sh -c \"$3\"\n")
+    (fake_bin / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}:/usr/bin:/bin")
+    runner = _runner(multinode_runner.PDSHRunner, "pdsh")
+    runner.add_export(JOB_SECRET, SECRET)
+    cmd, _, _ = runner.get_cmd({JOB_SECRET: SECRET}, {"host-a": [0], "host-b": [0]})
+    assert not any(SECRET in arg for arg in cmd) and SECRET not in (tmp_path / "ssh.log").read_text(), cmd
+    written = sorted((home / ".cache" / "deepspeed_xla").iterdir())  # one home for both hosts, as on NFS
+    assert [path.read_text() for path in written] == [SECRET] * 2
+    assert all(path.stat().st_mode & 0o777 == 0o600 for path in written)
+    exported = runner.exports[JOB_SECRET_FILE]
+    assert f"export {JOB_SECRET_FILE}={exported}; " in cmd[cmd.index("host-a,host-b") + 1]
+    for node_rank, path in enumerate(written):
+        # The host's launcher: the sh of pdsh's command with its %n replaced, then Python, whose startup hook moves
+        # the secret into the environment.
+        code = f"import os; print(os.environ.get({JOB_SECRET!r}), {JOB_SECRET_FILE!r} in os.environ)"
+        shell = f"export {JOB_SECRET_FILE}={exported}; {sys.executable} -c {shlex.quote(code)}"
+        printed = subprocess.run(["sh", "-c", shell.replace("%n", str(node_rank))], env=clean_env(HOME=str(home)),
+                                 capture_output=True, text=True, check=True).stdout
+        assert printed.split() == [SECRET, "False"]
+        assert not path.exists()
