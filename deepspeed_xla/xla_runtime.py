@@ -6,7 +6,7 @@ seconds and writes ``PJRT_DEVICE``) and leaves a single module to port to a futu
 import atexit
 import functools
 from importlib import metadata
-from typing import Optional
+from typing import Optional, Tuple
 
 
 def base_version(version: str) -> str:
@@ -258,6 +258,18 @@ def graph_counters() -> dict:
 
     return {"compilations": count("CompileTime"), "executions": count("ExecuteTime"),
             "transfers_to_host": count("TransferFromDeviceTime")}
+
+
+def execution_clock() -> Tuple[float, Optional[float]]:
+    """Seconds the device spent executing graphs so far in this process, and when the latest execution started
+    (``time.time()``'s clock; None before the first): torch_xla's ``ExecuteTime``, whose samples are (end, duration)
+    and count an execution when it completes, so wait for the device first to include the queued ones."""
+    import torch_xla.debug.metrics as met
+    data = met.metric_data("ExecuteTime")
+    if not data:
+        return 0.0, None
+    end, nanoseconds = data[2][-1]
+    return data[1] / 1e9, end - nanoseconds / 1e9
 
 
 def _device_type(tensor) -> str:

@@ -204,6 +204,15 @@ def wait_for_device() -> None:
     wait_device()
 
 
+def step_clock():
+    """The per-step clocks ``--timings`` reports (``deepspeed_xla.bench.clock``); on XLA with the execute time."""
+    from deepspeed_xla.bench.clock import StepClock
+    if get_accelerator().device_name() != "xla":
+        return StepClock()
+    from deepspeed_xla.xla_runtime import execution_clock
+    return StepClock(execution_clock)
+
+
 def state_bytes(engine) -> int:
     """Bytes of this rank's parameters and optimizer state as DeepSpeed holds them: ZeRO-3 parameters by their
     partition (``ds_tensor``; a released parameter is empty), ZeRO's fp32 master partitions, the moments."""
@@ -220,15 +229,17 @@ def state_bytes(engine) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
 
 
-def measurements(engine, step_times) -> dict:
-    """Each step's wall time, this process's peak RSS, its parameter and optimizer-state bytes and, on XLA, the
-    bytes of all its live device buffers."""
+def measurements(engine, step_times, clocks=None) -> dict:
+    """Each step's wall time (and ``StepClock.results``), this process's peak RSS and CPU time, its parameter and
+    optimizer-state bytes and, on XLA, the bytes of all its live device buffers."""
     device_bytes = None
     if get_accelerator().device_name() == "xla":
         from deepspeed_xla.xla_runtime import live_device_bytes
         device_bytes = live_device_bytes()
-    return {"step_times": step_times, "device_bytes": device_bytes, "state_bytes": state_bytes(engine),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"step_times": step_times, **(clocks or {}), "device_bytes": device_bytes,
+            "state_bytes": state_bytes(engine), "peak_rss_bytes": usage.ru_maxrss * 1024,  # Linux: KiB
+            "cpu_s": usage.ru_utime + usage.ru_stime}
 
 
 def mean_loss(micro_losses) -> float:
@@ -380,11 +391,11 @@ def main(argv=None) -> None:
             yield tokens[:, positions].to(engine.device), targets[:, positions].to(engine.device)
 
     read = (lambda loss: loss.detach()) if args.timings else (lambda loss: loss.item())
-    step_losses, step_times, start, counters = [], [], time.time(), {}
+    step_losses, clock, start, counters = [], step_clock(), time.time(), {}
     for step in range(first_step, args.steps):
         if step - first_step == args.warmup_steps:
             counters["warm"] = graph_counters()
-        step_start = time.perf_counter()
+        clock.start()
         if pipelined:
             micro_losses = [read(engine.train_batch(data_iter=batches(step)))]  # already the batch's mean
         else:
@@ -394,9 +405,10 @@ def main(argv=None) -> None:
                 engine.backward(loss * float("nan") if step == args.nan_grad_at else loss)
                 engine.step()
                 micro_losses.append(read(loss))
+        clock.traced()  # the host's part is done (on XLA the clock reads when the step's graph started instead)
         if args.timings:
             wait_for_device()
-        step_times.append(time.perf_counter() - step_start)
+        clock.end()
         step_losses.append(micro_losses)
         if rank == 0 and not args.timings and (step % 5 == 0 or step == args.steps - 1):
             step_loss = mean_loss(micro_losses)
@@ -410,7 +422,8 @@ def main(argv=None) -> None:
 
     if args.steps - first_step > args.warmup_steps:
         counters["end"] = graph_counters()
-    measured = measurements(engine, step_times) if args.losses_out else None  # before the losses are read
+    # measured before the losses are read
+    measured = measurements(engine, clock.times["step_times"], clock.results()) if args.losses_out else None
     losses = [mean_loss(micro) for micro in step_losses]
     if args.losses_out:
         write_results(engine, losses, args.losses_out, counters, first_step, measured)

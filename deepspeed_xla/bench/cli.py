@@ -26,6 +26,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                        help="micro-batches per step (DeepSpeed's gradient_accumulation_steps)")
+    parser.add_argument("--clip", type=float, default=0.0, metavar="NORM",
+                        help="clip the gradients' global norm to this (DeepSpeed's gradient_clipping; 0: off)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the systems this many times in turn, keeping each one's median run: a ratio of two "
@@ -58,6 +62,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error(f"--dim {args.dim} does not split into TinyGPT's 2 attention heads: pass an even width")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.grad_accum < 1 or args.clip < 0:
+        parser.error("--grad-accum must be at least 1 and --clip at least 0 (0 turns clipping off)")
     if args.bandwidth_iters < 1:
         parser.error("--bandwidth-iters must be at least 1")
     args.zero = dict(args.zero)
@@ -85,7 +91,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results.add_loop_ratios(rows, args.systems)
     report = {"command": " ".join(["python -m deepspeed_xla.bench", *(argv if argv is not None else sys.argv[1:])]),
               "model": {"dim": args.dim, "layers": args.layers, "seq": args.seq, "batch": args.batch,
-                        "vocab": args.vocab, "matmul_params": matmul_params(args.dim, args.layers, args.vocab),
+                        "grad_accum": args.grad_accum, "clip": args.clip, "vocab": args.vocab,
+                        "matmul_params": matmul_params(args.dim, args.layers, args.vocab),
                         "flops_per_token": flops_per_token(args.dim, args.layers, args.vocab, args.seq)},
               "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "device": device_type.pjrt_name,
               "cpus": os.cpu_count(),

@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -68,8 +69,9 @@ def trainer_arguments(args: argparse.Namespace, train_script: Path, config: Path
     return [str(train_script.with_name("hf_train.py")), "--model", "tinygpt", "--timings", "true",
             "--deepspeed", str(config), "--results_out", str(out), "--output_dir", str(workdir / "hf_output"),
             "--max_steps", str(args.steps), "--bench_warmup", str(args.warmup),
-            "--per_device_train_batch_size", str(args.batch), "--learning_rate", str(LR),
-            "--weight_decay", str(WEIGHT_DECAY), "--lr_scheduler_type", "constant", "--max_grad_norm", "0",
+            "--per_device_train_batch_size", str(args.batch), "--gradient_accumulation_steps", str(args.grad_accum),
+            "--learning_rate", str(LR), "--weight_decay", str(WEIGHT_DECAY), "--lr_scheduler_type", "constant",
+            "--max_grad_norm", str(args.clip),
             "--logging_steps", str(args.steps), "--save_strategy", "no", "--report_to", "none",
             "--dim", str(args.dim), "--layers", str(args.layers), "--seq", str(args.seq), "--vocab", str(args.vocab),
             "--samples", str(args.steps * args.batch * 64), "--seed", str(args.seed)]
@@ -82,11 +84,13 @@ def run_system(system: System, args: argparse.Namespace, train_script: Path, wor
         cmd = [sys.executable, "-m", "deepspeed_xla.bench", "--worker", "floor", "--worker-out", str(out),
                "--train-script", str(train_script), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--dim", str(args.dim), "--layers", str(args.layers), "--seq", str(args.seq),
-               "--batch", str(args.batch), "--vocab", str(args.vocab), "--seed", str(args.seed)]
+               "--batch", str(args.batch), "--vocab", str(args.vocab), "--seed", str(args.seed),
+               "--grad-accum", str(args.grad_accum), "--clip", str(args.clip)]
     else:
         config = workdir / f"{system.name}.config.json"
         outputs = workdir / system.name
-        config.write_text(json.dumps(ds_config(system.stage, args.batch, args.zero, system.feature, outputs)))
+        config.write_text(json.dumps(ds_config(system.stage, args.batch, args.zero, system.feature, outputs,
+                                               accum=args.grad_accum, clip=args.clip)))
         target = (trainer_arguments(args, train_script, config, out, workdir) if system.trainer
                   else train_arguments(args, train_script, config, out, system))
         cmd = deepspeed_command(system.procs, target)
@@ -96,12 +100,13 @@ def run_system(system: System, args: argparse.Namespace, train_script: Path, wor
         shutil.rmtree(dumps, ignore_errors=True)
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dumps} --xla_dump_hlo_as_text".strip()
     print(f"[bench] {system.name} ...", file=sys.stderr, flush=True)
+    launched = time.time()
     error = run(cmd, env, log, args.timeout)
     load = os.getloadavg()[0]  # the last minute of this system's run, its own processes included
     if error:
         print(f"[bench] {system.name} failed: {error}", file=sys.stderr, flush=True)
         return {"system": system.name, "error": error}
-    row = dict(summarize(system, read_ranks(out, system.procs), args, peak_flops), load_average=load)
+    row = dict(summarize(system, read_ranks(out, system.procs), args, peak_flops, launched), load_average=load)
     if dumps:
         row["cost"] = cost_summary(system, dumps, args, row["executions_per_step"])
     return row

@@ -10,18 +10,28 @@ from deepspeed_xla.bench.roofline import TPUS, estimate
 from deepspeed_xla.bench.systems import System, flops_per_token
 
 RATIO_TARGETS = {0: 1.10, 1: 1.10, 2: 1.10, 3: 1.25}  # step time of xla-zero<stage>-1p over the floor's
+TRACE_TARGETS = {0: 1.10, 1: 1.10, 2: 1.10, 3: 1.5}  # the same systems' tracing time over the floor's
 BANDWIDTH_TARGET = 0.8  # device all-reduce bandwidth over gloo's
 PARTITION_TARGET = 0.55  # ZeRO-3 device bytes per rank, 2 processes over 1
 TRAINER_TARGET = 1.10  # step time through the Hugging Face Trainer over scripts/train.py's loop
 
 
 
-def summarize(system: System, ranks: List[dict], args: argparse.Namespace, peak_flops: Optional[float]) -> dict:
+def steady_median(ranks: List[dict], key: str, warmup: int) -> Optional[float]:
+    """The median over the steps after ``warmup`` of the slowest rank's ``key`` (a per-step list); None where a rank
+    has no such figure (the Trainer's, or the execute time off XLA)."""
+    if not all(rank.get(key) and None not in rank[key] for rank in ranks):
+        return None
+    return statistics.median([max(values) for values in zip(*(rank[key] for rank in ranks))][warmup:])
+
+
+def summarize(system: System, ranks: List[dict], args: argparse.Namespace, peak_flops: Optional[float],
+              launched: Optional[float] = None) -> dict:
     """One table row from every rank's JSON: a step lasts as long as its slowest rank; counts are the worst rank's;
-    tokens count once for the ranks that share a batch (tensor and sequence parallelism)."""
-    step_times = [max(times) for times in zip(*(rank["step_times"] for rank in ranks))][args.warmup:]
-    median_step = statistics.median(step_times)
-    tokens_per_s = system.data_parallel * args.batch * args.seq / median_step
+    tokens count once for the ranks that share a batch (tensor and sequence parallelism). ``launched``: when the
+    bench started the system's command (``time.time()``)."""
+    median_step = steady_median(ranks, "step_times", args.warmup)
+    tokens_per_s = system.data_parallel * args.batch * args.grad_accum * args.seq / median_step
     row = {"system": system.name, "accelerator": system.accelerator, "zero_stage": system.stage,
            "processes": system.procs, "feature": system.feature, "median_step_s": median_step,
            "tokens_per_s": tokens_per_s,
@@ -29,6 +39,7 @@ def summarize(system: System, ranks: List[dict], args: argparse.Namespace, peak_
            "state_bytes_per_rank": max(rank["state_bytes"] for rank in ranks),
            "compilations_after_warmup": None, "executions_per_step": None, "transfers_per_step": None,
            "device_bytes_per_rank": None, "mfu": None}
+    row.update(host_times(ranks, args.warmup, launched))
     if all(rank["counters"].get("end") for rank in ranks):  # XLA: counters at the end of warm-up and of training
         steady = args.steps - args.warmup
         deltas = [{key: rank["counters"]["end"][key] - rank["counters"]["warm"][key] for key in rank["counters"]["end"]}
@@ -43,6 +54,23 @@ def summarize(system: System, ranks: List[dict], args: argparse.Namespace, peak_
     return row
 
 
+def host_times(ranks: List[dict], warmup: int, launched: Optional[float]) -> dict:
+    """``bench.clock``'s figures of a row: per step (medians after warm-up, the slowest rank) the tracing time, the
+    device's execute time and the step's CPU; the first step's time, the seconds from the process's
+    start (the slowest rank's) and from the bench's launch of the system to the first step's end, the CPU seconds
+    of a rank by then, and of all ranks in the whole run. None where the ranks' JSON lacks a figure."""
+    times = {field: steady_median(ranks, key, warmup) for field, key in (
+        ("trace_s", "trace_times"), ("execute_s", "execute_times"), ("step_cpu_s", "step_cpu_times"))}
+    timed = all("first_step_end" in rank for rank in ranks)
+    times.update(
+        first_step_s=max(rank["step_times"][0] for rank in ranks),
+        start_to_first_step_s=max(r["first_step_end"] - r["process_start"] for r in ranks) if timed else None,
+        launch_to_first_step_s=max(r["first_step_end"] for r in ranks) - launched if timed and launched else None,
+        first_step_cpu_s=max(rank["first_step_cpu"] for rank in ranks) if timed else None,
+        cpu_s=sum(rank["cpu_s"] for rank in ranks) if all("cpu_s" in rank for rank in ranks) else None)
+    return times
+
+
 def cost_summary(system: System, dumps: Path, args: argparse.Namespace, graphs_per_step: Optional[float]) -> dict:
     """The ``cost`` object of a row: the step graph's counts (``bench.cost``), the analytic FLOPs of the tokens
     one device trains a step, and the roofline estimate on ``args.tpu``. A step of several graphs
@@ -53,7 +81,7 @@ def cost_summary(system: System, dumps: Path, args: argparse.Namespace, graphs_p
     except FileNotFoundError as error:
         return {"error": str(error)}
     cost = step_cost(module.read_text())
-    tokens = system.data_parallel * args.batch * args.seq / system.procs
+    tokens = system.data_parallel * args.batch * args.grad_accum * args.seq / system.procs
     model_flops = flops_per_token(args.dim, args.layers, args.vocab, args.seq) * tokens
     whole = graphs_per_step == 1
     return dict(cost, module=str(module), model_flops=model_flops, graphs_per_step=graphs_per_step, tpu=args.tpu,
@@ -88,11 +116,18 @@ def zero3_partition(rows: List[dict]) -> Optional[dict]:
             "device_bytes_ratio": two["device_bytes_per_rank"] / one["device_bytes_per_rank"]}
 
 
+FLOOR_RATIOS = {"ratio_to_floor": "median_step_s", "trace_ratio_to_floor": "trace_s",
+                "cpu_ratio_to_floor": "step_cpu_s"}
+
+
 def add_floor_ratios(rows: List[dict]) -> None:
+    """Each row's step time, tracing time and CPU time per step over the floor's, where both have them."""
     floor = next((row for row in rows if row["system"] == "floor" and "error" not in row), None)
     for row in rows:
         if floor and "error" not in row:
-            row["ratio_to_floor"] = row["median_step_s"] / floor["median_step_s"]
+            for ratio, key in FLOOR_RATIOS.items():
+                if row.get(key) is not None and floor.get(key):
+                    row[ratio] = row[key] / floor[key]
 
 
 def add_loop_ratios(rows: List[dict], systems: List[System]) -> None:
@@ -123,6 +158,10 @@ def check_targets(report: dict) -> List[dict]:
         if row["accelerator"] == "xla" and row["processes"] == 1 and "ratio_to_floor" in row:
             limit = RATIO_TARGETS[stage]
             check(f"{name} step time / floor", row["ratio_to_floor"], f"<= {limit}", row["ratio_to_floor"] <= limit)
+            if "trace_ratio_to_floor" in row:
+                limit = TRACE_TARGETS[stage]
+                check(f"{name} tracing time / floor", row["trace_ratio_to_floor"], f"<= {limit}",
+                      row["trace_ratio_to_floor"] <= limit)
         if "ratio_to_loop" in row:
             check(f"{name} step time / {row['loop']}", row["ratio_to_loop"], f"<= {TRAINER_TARGET}",
                   row["ratio_to_loop"] <= TRAINER_TARGET)
@@ -160,6 +199,26 @@ COLUMNS = [  # header, row key, format of a present value
     ("x train.py", "ratio_to_loop", lambda v: f"{v:.2f}"),
     ("MFU", "mfu", lambda v: f"{v:.1%}"),
     ("load", "load_average", lambda v: f"{v:.1f}"),
+]
+
+
+def _ms(value: float) -> str:
+    return f"{value * 1e3:.1f}"
+
+
+HOST_COLUMNS = [  # header, row key, format: where each step's time goes, and the start-up
+    ("system", "system", str),
+    ("step ms", "median_step_s", _ms),
+    ("trace ms", "trace_s", _ms),
+    ("execute ms", "execute_s", _ms),
+    ("step CPU ms", "step_cpu_s", _ms),
+    ("trace x floor", "trace_ratio_to_floor", lambda v: f"{v:.2f}"),
+    ("step CPU x floor", "cpu_ratio_to_floor", lambda v: f"{v:.2f}"),
+    ("1st step s", "first_step_s", lambda v: f"{v:.1f}"),
+    ("start->1st step end s", "start_to_first_step_s", lambda v: f"{v:.1f}"),
+    ("launch->1st step end s", "launch_to_first_step_s", lambda v: f"{v:.1f}"),
+    ("CPU s to 1st step end", "first_step_cpu_s", lambda v: f"{v:.1f}"),
+    ("run CPU s", "cpu_s", lambda v: f"{v:.1f}"),
 ]
 
 
@@ -212,13 +271,21 @@ def render(report: dict) -> str:
     """The whole printout: the setup, the table, the all-reduce and ZeRO-3 figures, the targets."""
     model, load = report["model"], report["load_average"]
     repeats = f", each system's median of {report['repeats']} runs in turn" if report.get("repeats", 1) > 1 else ""
-    lines = [f"TinyGPT dim {model['dim']}, {model['layers']} layers, seq {model['seq']}, batch {model['batch']}/rank, "
-             f"vocab {model['vocab']}: {model['flops_per_token']:,} FLOPs/token; {report['steps']} steps, medians "
-             f"after {report['warmup']} warm-up{repeats}; PJRT_DEVICE={report['device']}, {report['cpus']} CPUs, load "
-             f"average {load['start']:.1f} -> {load['end']:.1f}"]
+    accum = f" x {model['grad_accum']} micro-batches" if model.get("grad_accum", 1) > 1 else ""
+    clip = f", clipped to norm {model['clip']:g}" if model.get("clip") else ""
+    lines = [f"TinyGPT dim {model['dim']}, {model['layers']} layers, seq {model['seq']}, batch {model['batch']}/rank"
+             f"{accum}{clip}, vocab {model['vocab']}: {model['flops_per_token']:,} FLOPs/token; {report['steps']} "
+             f"steps, medians after {report['warmup']} warm-up{repeats}; PJRT_DEVICE={report['device']}, "
+             f"{report['cpus']} CPUs, load average {load['start']:.1f} -> {load['end']:.1f}"]
     if report.get("zero_options"):
         lines[0] += f"; zero_optimization {json.dumps(report['zero_options'])}"
     lines += ["", format_table(report["systems"])]
+    timed = [row for row in report["systems"] if row.get("trace_s") is not None]
+    if timed:
+        lines += ["", "host and device time per step (medians after warm-up; trace: from the step's start until its "
+                      "last graph execution started; execute: torch_xla's ExecuteTime; CPU: the process's, all "
+                      "threads) and the start-up (from the training process's start, and from the bench's launch of "
+                      "the system, to the first step's end):", format_table(timed, HOST_COLUMNS)]
     costs = cost_rows(report["systems"])
     if costs:
         tpu = TPUS[costs[0]["tpu"]]

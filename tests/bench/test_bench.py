@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from deepspeed_xla.bench import cli, example, results, systems
+from deepspeed_xla.bench import cli, clock, example, results, systems
 from tests.conftest import REPO, clean_env
 from tests.multiproc import run_command
 
@@ -163,9 +163,48 @@ def test_summary_takes_the_slowest_rank_of_each_step_and_the_worst_counts():
     assert row["mfu"] is None
     shared = results.summarize(systems.parse_system("xla-zero1-2p-sp"), ranks, args, peak_flops=None)
     assert shared["tokens_per_s"] == 3 * 10 / 3.0 and shared["feature"] == "sp"  # both ranks train on one batch
+    assert row["trace_s"] is None and row["start_to_first_step_s"] is None  # the ranks' JSON has no such figures
     eager_rank = dict(ranks[0], counters={"warm": {}, "end": {}})  # what train.py writes off XLA
     eager = results.summarize(systems.System("cpu-zero0-1p", "cpu"), [eager_rank], args, 1e12)
     assert eager["executions_per_step"] is None and eager["mfu"] is None
+
+
+def test_step_clock_ends_tracing_when_the_steps_last_graph_started(monkeypatch):
+    """On XLA a step's tracing time ends when its last execution started (the device clock's), not when the host
+    called ``traced()``; without a device clock it ends there. The first step's end and the process start are
+    recorded once, on time.time()'s clock."""
+    now = {"time": 100.0}
+    monkeypatch.setattr(clock.time, "time", lambda: now["time"])
+    executions = [(0.0, None)]
+    steps = clock.StepClock(lambda: executions[-1])
+    for start, graph_start, seconds in ((100.0, 100.25, 0.5), (101.0, 101.125, 0.25)):
+        now["time"] = start
+        steps.start()
+        steps.traced()
+        executions.append((executions[-1][0] + seconds, graph_start))
+        now["time"] = start + 0.75
+        steps.end()
+    results = steps.results()
+    assert results["trace_times"] == [0.25, 0.125] and results["execute_times"] == [0.5, 0.25]
+    assert results["first_step_end"] == 100.75 and results["process_start"] < 100.75
+    eager = clock.StepClock()
+    eager.start()
+    eager.traced()
+    eager.end()
+    assert eager.results()["execute_times"] == [None] and 0 <= eager.results()["trace_times"][0]
+
+
+def test_host_times_take_the_slowest_rank_and_the_first_step():
+    ranks = [{"step_times": [5.0, 0.3, 0.4, 0.5], "trace_times": [4.0, 0.1, 0.2, 0.3], "execute_times": [1, 2, 2, 2],
+              "step_cpu_times": [9.0, 0.2, 0.2, 0.2], "first_step_end": 50.0, "process_start": 20.0,
+              "first_step_cpu": 12.0, "cpu_s": 14.0},
+             {"step_times": [6.0, 0.3, 0.3, 0.3], "trace_times": [5.0, 0.2, 0.1, 0.1], "execute_times": [1, 1, 3, 1],
+              "step_cpu_times": [8.0, 0.3, 0.1, 0.1], "first_step_end": 51.0, "process_start": 22.0,
+              "first_step_cpu": 11.0, "cpu_s": 13.0}]
+    times = results.host_times(ranks, warmup=1, launched=10.0)
+    assert times == {"trace_s": 0.2, "execute_s": 2, "step_cpu_s": 0.2, "first_step_s": 6.0,
+                     "start_to_first_step_s": 30.0, "launch_to_first_step_s": 41.0, "first_step_cpu_s": 12.0,
+                     "cpu_s": 27.0}
 
 
 def test_table_marks_missing_figures_and_failures():
@@ -186,7 +225,8 @@ def test_table_marks_missing_figures_and_failures():
 
 def test_targets():
     row = {"system": "xla-zero3-1p", "accelerator": "xla", "zero_stage": 3, "processes": 1, "ratio_to_floor": 1.2,
-           "compilations_after_warmup": 0, "executions_per_step": 3.0, "transfers_per_step": 0.0}
+           "trace_ratio_to_floor": 1.4, "compilations_after_warmup": 0, "executions_per_step": 3.0,
+           "transfers_per_step": 0.0}
     trainer = dict(row, system="xla-hf-zero2-1p", zero_stage=2, executions_per_step=1.0, median_step_s=1.2)
     loop = dict(row, system="xla-zero2-1p", zero_stage=2, median_step_s=1.0)
     results.add_loop_ratios([trainer, loop], [systems.parse_system("xla-hf-zero2-1p"),
@@ -199,6 +239,8 @@ def test_targets():
     verdicts = {t["what"]: t["met"] for t in results.check_targets(report)}
     assert verdicts == {
         "xla-zero3-1p step time / floor": True, "xla-zero3-1p compilations after warm-up": True,
+        "xla-zero3-1p tracing time / floor": True, "xla-zero2-1p tracing time / floor": False,  # 1.4: ZeRO-3's 1.5
+        "xla-hf-zero2-1p tracing time / floor": False,
         "xla-zero3-1p device->host transfers per step": True,  # ZeRO-3 has no one-execution target
         "xla-zero2-1p step time / floor": False, "xla-zero2-1p compilations after warm-up": True,
         "xla-zero2-1p executions per step": False, "xla-zero2-1p device->host transfers per step": True,
@@ -240,8 +282,9 @@ def test_floor_end_to_end(tmp_path, train_module):
     """The CLI as a user runs it (floor only, 6 steps): one table, JSON, PNG, and the floor's exact counts."""
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = run_command([sys.executable, "-m", "deepspeed_xla.bench", "--systems", "floor", "--steps", "6",
-                        "--warmup", "3", *TINY, "--skip-bandwidth", "--out", str(out), "--png", str(png),
-                        "--workdir", str(tmp_path / "work")], 600, cwd=REPO, env=clean_env())
+                        "--warmup", "3", *TINY, "--grad-accum", "2", "--clip", "1.0", "--skip-bandwidth", "--out",
+                        str(out), "--png", str(png), "--workdir", str(tmp_path / "work")], 600, cwd=REPO,
+                       env=clean_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert set(report) == {"command", "model", "steps", "warmup", "repeats", "device", "cpus", "zero_options",
@@ -256,7 +299,20 @@ def test_floor_end_to_end(tmp_path, train_module):
     assert 12 * params <= floor["state_bytes_per_rank"] <= 12 * params + 4 * 64
     assert 12 * params <= floor["device_bytes_per_rank"] <= 12 * params + 4096
     assert floor["ratio_to_floor"] == 1.0 and floor["median_step_s"] > 0
+    assert floor["tokens_per_s"] == pytest.approx(2 * 4 * 16 / floor["median_step_s"])  # 2 micro-batches a step
     assert "floor" in proc.stdout and "met     floor executions per step" in proc.stdout
+    # Host and device time (bench.clock): each step's graph starts executing when the host's part (tracing) ends and
+    # finishes before the step does; the process started before the first step and the bench launched it before
+    # that (process start times count in 10 ms ticks).
+    record = json.loads((tmp_path / "work" / "floor.json").read_text())
+    for step, trace, execute in zip(record["step_times"], record["trace_times"], record["execute_times"]):
+        assert 0 < trace and 0 < execute and trace + execute <= step + 1e-3, (step, trace, execute)
+    assert 0 < floor["trace_s"] < floor["median_step_s"] and 0 < floor["execute_s"] < floor["median_step_s"]
+    assert floor["trace_ratio_to_floor"] == 1.0 and floor["step_cpu_s"] > 0
+    assert floor["start_to_first_step_s"] >= floor["first_step_s"] > 0
+    assert floor["launch_to_first_step_s"] >= floor["start_to_first_step_s"] - 0.02
+    assert 0 < floor["first_step_cpu_s"] < floor["cpu_s"]
+    assert "trace ms" in proc.stdout and "start->1st step end s" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -288,6 +344,8 @@ def test_feature_systems_end_to_end(tmp_path):
         assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], (name, losses)
         assert row["compilations_after_warmup"] == 0, name
         assert row["executions_per_step"] >= 1 and row["transfers_per_step"] >= 0, name
+        assert 0 < row["trace_s"] <= row["median_step_s"] and row["execute_s"] > 0, name
+        assert row["start_to_first_step_s"] >= row["first_step_s"] > 0, name
         assert f"met     {name} compilations after warm-up" in proc.stdout
     tp_params = json.loads((work / "xla-zero1-2p-tp.json").read_text())["params"]
     assert len(tp_params["blocks.0.qkv.weight"]) == 3 * 16 // 2
