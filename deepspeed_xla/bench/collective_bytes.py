@@ -5,8 +5,9 @@ On PJRT CPU the ``xla_host`` backend runs collectives between graphs, so the ste
 ``xla_ds`` gets on a TPU. The bench turns it on for a system (``count_in``); ``scripts/train.py`` marks the totals at
 the end of its warm-up and of training, and ``per_step`` divides their difference by the steps between.
 """
+import argparse
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from deepspeed_xla.bench.roofline import wire_bytes
 from deepspeed_xla.comm.accounting import ENV
@@ -17,6 +18,23 @@ def count_in(env: dict, prefix: Path) -> None:
     for old in prefix.parent.glob(f"{prefix.name}.rank*.jsonl"):
         old.unlink()
     env[ENV] = str(prefix)
+
+
+def counting(env: dict, system, args: argparse.Namespace, workdir: Path) -> Optional[Path]:
+    """With ``--cost``, a DeepSpeed system of several XLA processes through ``scripts/train.py`` counts its
+    collectives (``count_in``); returns where, or None."""
+    if not (args.cost and system.accelerator == "xla" and system.procs > 1 and not system.trainer):
+        return None
+    prefix = workdir / f"{system.name}.collectives"
+    count_in(env, prefix)
+    return prefix
+
+
+def attach(row: dict, prefix: Optional[Path], system, args: argparse.Namespace) -> None:
+    """The ``collectives_counted`` object (``summary``) into the row's ``cost``, for a system that ``counting`` set
+    counting."""
+    if prefix is not None and "cost" in row:
+        row["cost"]["collectives_counted"] = summary(prefix, system.procs, args.steps - args.warmup)
 
 
 def read_marks(prefix: Path, procs: int) -> List[List[List[dict]]]:
@@ -46,36 +64,41 @@ def per_step(before: Sequence[dict], after: Sequence[dict], steps: int) -> List[
 
 def summary(prefix: Path, procs: int, steps: int) -> dict:
     """The ``collectives_counted`` object of a bench row: every rank's collectives per step between its first and
-    last mark (``steps`` apart), the busiest rank's by kind and group (``collectives``: a step waits for it), their
-    total bytes, and the bytes one device sends for them by a ring (``roofline.wire_bytes``)."""
+    last mark (``steps`` apart); the busiest rank's by kind and group (``collectives``: a step waits for it), each with
+    the bytes one device sends for it by a ring (``roofline.wire_bytes``; a send: all of it); their totals."""
     try:
         marks = read_marks(prefix, procs)
     except FileNotFoundError as error:
         return {"error": f"{error}: the ranks marked no collectives (scripts/train.py marks them after its warm-up)"}
     by_rank = [per_step(rank_marks[0], rank_marks[-1], steps) for rank_marks in marks]
     busiest: Dict[Tuple[str, Tuple[int, ...]], dict] = {}
-    for entries in by_rank:
-        for entry in entries:
-            key = _key(entry)
-            if key not in busiest or entry["bytes_per_step"] > busiest[key]["bytes_per_step"]:
-                busiest[key] = entry
-    collectives = [busiest[key] for key in sorted(busiest)]
-    wire = sum(wire_bytes({"kind": c["kind"], "bytes": c["bytes_per_step"], "replica_groups": [c["ranks"]]}, procs)
-               for c in collectives if c["kind"] != "send")
+    for entry in (entry for entries in by_rank for entry in entries):
+        if _key(entry) not in busiest or entry["bytes_per_step"] > busiest[_key(entry)]["bytes_per_step"]:
+            busiest[_key(entry)] = entry
+    collectives = []
+    for key in sorted(busiest):
+        entry = busiest[key]
+        wire = entry["bytes_per_step"] if entry["kind"] == "send" else wire_bytes(
+            {"kind": entry["kind"], "bytes": entry["bytes_per_step"], "replica_groups": [entry["ranks"]]}, procs)
+        collectives.append(dict(entry, wire_bytes_per_step=wire))
     return {"collectives": collectives, "bytes_per_step": sum(c["bytes_per_step"] for c in collectives),
-            "wire_bytes_per_step": wire, "by_rank": by_rank}
+            "wire_bytes_per_step": sum(c["wire_bytes_per_step"] for c in collectives), "by_rank": by_rank}
 
 
 def table(rows: Sequence[dict]) -> List[str]:
-    """Text lines of the counted collectives of the rows that have them: system, kind, group size, calls and MB per
-    step."""
+    """Text lines of the counted collectives of the rows that have them: system, kind, group size, calls, bytes and
+    ring bytes sent per device, per step."""
     lines = []
     for row in rows:
         counted = (row.get("cost") or {}).get("collectives_counted") or {}
         for c in counted.get("collectives", []):
             lines.append(f"{row['system']:<24} {c['kind']:<15} {c['group_size']:>5} {c['calls_per_step']:>10.2f} "
-                         f"{c['bytes_per_step'] / 1e6:>12.4f}")
+                         f"{c['bytes_per_step']:>16,.0f} {c['wire_bytes_per_step']:>16,.0f}")
+        if "error" in counted:
+            lines.append(f"{row['system']:<24} {counted['error']}")
     if not lines:
         return []
-    return ["", "collectives per step, counted at the ranks' process groups (what xla_ds gets on a TPU):",
-            f"{'system':<24} {'kind':<15} {'group':>5} {'calls/step':>10} {'MB/step':>12}", *lines]
+    return ["", "collectives per step, counted at the ranks' process groups (the calls xla_ds gets on a TPU); bytes: "
+                "the whole tensor; sent: per device by a ring",
+            f"{'system':<24} {'kind':<15} {'group':>5} {'calls/step':>10} {'bytes/step':>16} {'sent/step':>16}",
+            *lines]

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from deepspeed_xla.bench import collective_bytes
 from deepspeed_xla.bench.results import bandwidth_summary, cost_summary, summarize
 from deepspeed_xla.bench.systems import LR, WEIGHT_DECAY, System, ds_config, train_flags
 from deepspeed_xla.launch_env import free_port
@@ -99,6 +100,7 @@ def run_system(system: System, args: argparse.Namespace, train_script: Path, wor
     if dumps:  # the ranks' modules, in one folder: ZeRO's data-parallel ranks compile the same step graph
         shutil.rmtree(dumps, ignore_errors=True)
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dumps} --xla_dump_hlo_as_text".strip()
+    counted = collective_bytes.counting(env, system, args, workdir)  # the HLO of xla_host's steps holds none
     print(f"[bench] {system.name} ...", file=sys.stderr, flush=True)
     launched = time.time()
     error = run(cmd, env, log, args.timeout)
@@ -109,6 +111,7 @@ def run_system(system: System, args: argparse.Namespace, train_script: Path, wor
     row = dict(summarize(system, read_ranks(out, system.procs), args, peak_flops, launched), load_average=load)
     if dumps:
         row["cost"] = cost_summary(system, dumps, args, row["executions_per_step"])
+    collective_bytes.attach(row, counted, system, args)
     return row
 
 

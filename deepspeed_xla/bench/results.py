@@ -5,6 +5,7 @@ import statistics
 from pathlib import Path
 from typing import List, Optional
 
+from deepspeed_xla.bench import collective_bytes
 from deepspeed_xla.bench.cost import step_cost, step_module
 from deepspeed_xla.bench.roofline import TPUS, estimate
 from deepspeed_xla.bench.systems import System, flops_per_token
@@ -295,6 +296,7 @@ def render(report: dict) -> str:
                       "max(FLOPs/peak, bytes/HBM) + collective bytes/ICI, not a measurement; a step of several "
                       "graphs: its largest counted, no estimate",
                   format_table(costs, COST_COLUMNS)]
+    lines += collective_bytes.table(report["systems"])
     bandwidth = report.get("bandwidth")
     if bandwidth and "ratio" in bandwidth:
         lines += ["", f"all-reduce of {bandwidth['bytes'] >> 20} MB, 2 processes: {bandwidth['backend']} on the device "

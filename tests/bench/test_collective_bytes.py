@@ -93,22 +93,45 @@ def test_zero2_reducing_to_owners_moves_a_reduce_scatter(counted):
         assert rank == {"reduce": (N, model), "all-reduce": (1, NORM), "all-gather": (1, model)}
 
 
-def test_zero3_gathers_each_parameter_once_per_step_when_prefetched(counted):
-    """DeepSpeed's prefetch looks ahead over the recorded order into the backward, and keeps a parameter it will use
-    again gathered: this model is gathered once per step, and its gradients reduce-scattered once."""
-    for rank in counted["runs"]["zero3"]:
+@pytest.mark.parametrize("run, gathers", [("zero3", 1), ("zero3-release", 2)])
+def test_zero3_gathers_as_its_prefetch_and_release_schedule_implies(counted, run, gathers):
+    """DeepSpeed's prefetch looks ahead over the recorded order into the backward and keeps a parameter it will use
+    again gathered: this model is gathered once per step. Without prefetch and reuse, each parameter is gathered for
+    its forward, released, and gathered again for its backward. The gradients are reduce-scattered once."""
+    model = _partitioned_bytes(counted["sizes"])
+    for rank in counted["runs"][run]:
         assert {kind: figures[1] for kind, figures in rank.items()} == {
-            "all-gather": _partitioned_bytes(counted["sizes"]), "reduce-scatter": _partitioned_bytes(counted["sizes"]),
-            "all-reduce": NORM}
+            "all-gather": gathers * model, "reduce-scatter": model, "all-reduce": NORM}
         assert rank["reduce-scatter"][0] == rank["all-reduce"][0] == 1
 
 
-def test_zero3_gathers_each_parameter_twice_per_step_when_released(counted):
-    """Without prefetch and reuse, each parameter is gathered for its forward, released, and gathered again for its
-    backward."""
-    for rank in counted["runs"]["zero3-release"]:
-        assert {kind: figures[1] for kind, figures in rank.items()} == {
-            "all-gather": 2 * _partitioned_bytes(counted["sizes"]), "reduce-scatter": _partitioned_bytes(counted["sizes"]),
-            "all-reduce": NORM}
-        assert rank["reduce-scatter"][0] == rank["all-reduce"][0] == 1
+def _write_marks(prefix, rank: int, *marks) -> None:
+    lines = [json.dumps({"rank": rank, "totals": totals}) for totals in marks]
+    prefix.with_name(f"{prefix.name}.rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
 
+
+def test_the_bench_reports_the_busiest_rank_and_the_ring_bytes_each_device_sends(tmp_path):
+    """A pipeline's ranks differ: rank 0 sends its activations; both all-reduce over the world, rank 1 more
+    (``collective_bytes.summary``, over 2 steps between the marks)."""
+    prefix = tmp_path / "system.collectives"
+    start = [{"kind": "all-reduce", "ranks": [0, 1], "calls": 3, "bytes": 300}]
+    _write_marks(prefix, 0, start, [{"kind": "all-reduce", "ranks": [0, 1], "calls": 5, "bytes": 700},
+                                    {"kind": "send", "ranks": [0, 1], "calls": 2, "bytes": 64}])
+    _write_marks(prefix, 1, start, [{"kind": "all-reduce", "ranks": [0, 1], "calls": 5, "bytes": 1100}])
+    counted = collective_bytes.summary(prefix, 2, 2)
+    assert counted["collectives"] == [
+        {"kind": "all-reduce", "ranks": [0, 1], "group_size": 2, "calls_per_step": 1, "bytes_per_step": 400,
+         "wire_bytes_per_step": 400},  # a ring all-reduce sends 2(n-1)/n of the tensor
+        {"kind": "send", "ranks": [0, 1], "group_size": 2, "calls_per_step": 1, "bytes_per_step": 32,
+         "wire_bytes_per_step": 32}]
+    assert (counted["bytes_per_step"], counted["wire_bytes_per_step"]) == (432, 432)
+    lines = collective_bytes.table([{"system": "xla-zero1-2p-pipe", "cost": {"collectives_counted": counted}}])
+    assert [line.split() for line in lines[-2:]] == [["xla-zero1-2p-pipe", "all-reduce", "2", "1.00", "400", "400"],
+                                                      ["xla-zero1-2p-pipe", "send", "2", "1.00", "32", "32"]]
+
+
+def test_a_system_that_marked_nothing_reports_why(tmp_path):
+    counted = collective_bytes.summary(tmp_path / "none.collectives", 2, 3)
+    assert "marked no collectives" in counted["error"]
+    lines = collective_bytes.table([{"system": "s", "cost": {"collectives_counted": counted}}])
+    assert "marked no collectives" in lines[-1]

@@ -42,7 +42,8 @@ def test_xla_ds_counts_each_call_once_by_kind_group_and_bytes(tmp_path):
     fp32, bf16 = 4, 2
     per_rank = {"all-reduce": 5 * fp32, "all-gather": 6 * fp32, "reduce-scatter": 4 * fp32, "all-to-all": 2 * fp32,
                 "broadcast": 3 * bf16}
-    expected = [{"kind": kind, "ranks": [0, 1], "calls": 2, "bytes": 2 * nbytes} for kind, nbytes in sorted(per_rank.items())]
+    expected = [{"kind": kind, "ranks": [0, 1], "calls": 2, "bytes": 2 * nbytes}
+                for kind, nbytes in sorted(per_rank.items())]
     for rank in range(2):
         assert results["xla"][rank]["facts"]["totals"] == expected
 
