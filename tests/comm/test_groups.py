@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.comm.test_host_staged import expect, stale, values, xla
+from tests.comm.host_staged_checks import expect, stale, values, xla
 from tests.multiproc import run_ranks
 
 WORLD = 2
