@@ -3,9 +3,11 @@
 Both backends (``xla_host`` on PJRT CPU, ``xla_ds`` on TPU) receive the same ProcessGroup calls from DeepSpeed, so
 what is counted here is what a TPU job of the same configuration moves, though ``xla_host`` runs the collectives
 between graphs, where the step graph's HLO (``bench.cost``) cannot see them. With ``DS_XLA_COUNT_COLLECTIVES`` set
-to a file name (the bench's ``--cost`` sets it) each group class gets a counting wrapper on its collectives, and each
+to a file prefix (the bench's ``--cost`` sets it) each group class gets a counting wrapper on its collectives, and each
 ``mark`` (``scripts/train.py`` marks where it reads the graph counters: at the end of its warm-up and of training)
-appends what was counted so far to ``<name>.rank<r>.jsonl``; unset, nothing is wrapped and nothing is counted.
+appends what was counted so far to ``<name>.rank<r>.jsonl``; unset, nothing is wrapped and nothing is counted. It is
+read when a group class is made: ``xla_host``'s when ``host_staged`` is imported, so it must be set before that
+(in the environment a launched rank starts with, as the bench does).
 
 A call is counted by its kind, the global ranks of its group and the bytes of the whole tensor it works on: an
 all-reduce's, broadcast's or reduce's tensor, an all-gather's or gather's result, a reduce-scatter's, scatter's or
