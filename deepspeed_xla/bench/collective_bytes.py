@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from deepspeed_xla.bench.roofline import wire_bytes
+from deepspeed_xla.bench.roofline import TPUS, wire_bytes
 from deepspeed_xla.comm.accounting import ENV
 
 
@@ -32,9 +32,13 @@ def counting(env: dict, system, args: argparse.Namespace, workdir: Path) -> Opti
 
 def attach(row: dict, prefix: Optional[Path], system, args: argparse.Namespace) -> None:
     """The ``collectives_counted`` object (``summary``) into the row's ``cost``, for a system that ``counting`` set
-    counting."""
+    counting, with the roofline's collective term on ``args.tpu``: the bytes sent per device over its ICI bandwidth
+    (an estimate, ``collective_s``)."""
     if prefix is not None and "cost" in row:
-        row["cost"]["collectives_counted"] = summary(prefix, system.procs, args.steps - args.warmup)
+        counted = summary(prefix, system.procs, args.steps - args.warmup)
+        if "error" not in counted:
+            counted.update(tpu=args.tpu, collective_s=counted["wire_bytes_per_step"] / TPUS[args.tpu].ici_bytes_per_s)
+        row["cost"]["collectives_counted"] = counted
 
 
 def read_marks(prefix: Path, procs: int) -> List[List[List[dict]]]:
@@ -94,6 +98,10 @@ def table(rows: Sequence[dict]) -> List[str]:
         for c in counted.get("collectives", []):
             lines.append(f"{row['system']:<24} {c['kind']:<15} {c['group_size']:>5} {c['calls_per_step']:>10.2f} "
                          f"{c['bytes_per_step']:>16,.0f} {c['wire_bytes_per_step']:>16,.0f}")
+        if "collective_s" in counted:
+            lines.append(f"{row['system']:<24} {'total':<15} {'':>5} {'':>10} {counted['bytes_per_step']:>16,.0f} "
+                         f"{counted['wire_bytes_per_step']:>16,.0f}  est. {counted['collective_s'] * 1e6:.3g} us on "
+                         f"one {counted['tpu']}'s ICI")
         if "error" in counted:
             lines.append(f"{row['system']:<24} {counted['error']}")
     if not lines:

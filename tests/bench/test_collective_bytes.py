@@ -1,10 +1,12 @@
 """Collective bytes per step of 2-process ZeRO trainings, counted at the process groups (``comm.accounting``,
 ``bench.collective_bytes``), against what ZeRO's algorithm needs for the model, computed here from its parameters.
 
-One launched job (``tests/train_many.py``) trains ZeRO-1, ZeRO-2 (with and without ``reduce_scatter``) and ZeRO-3
-for a few steps on 2 ranks with counting on; each run marks its totals where ``scripts/train.py`` reads its graph
-counters, after the warm-up and at the end.
+One launched job (``tests/train_many.py``) trains ZeRO-1, ZeRO-2 (DeepSpeed's default, and reducing each gradient
+partition to its owner) and ZeRO-3 (prefetching, and releasing every parameter) for a few steps on 2 ranks with
+counting on; each run marks its totals where ``scripts/train.py`` reads its graph counters, after the warm-up and at
+the end. The bench's summary and table are checked on written marks.
 """
+import argparse
 import json
 
 import pytest
@@ -125,9 +127,13 @@ def test_the_bench_reports_the_busiest_rank_and_the_ring_bytes_each_device_sends
         {"kind": "send", "ranks": [0, 1], "group_size": 2, "calls_per_step": 1, "bytes_per_step": 32,
          "wire_bytes_per_step": 32}]
     assert (counted["bytes_per_step"], counted["wire_bytes_per_step"]) == (432, 432)
-    lines = collective_bytes.table([{"system": "xla-zero1-2p-pipe", "cost": {"collectives_counted": counted}}])
-    assert [line.split() for line in lines[-2:]] == [["xla-zero1-2p-pipe", "all-reduce", "2", "1.00", "400", "400"],
-                                                      ["xla-zero1-2p-pipe", "send", "2", "1.00", "32", "32"]]
+    row = {"system": "xla-zero1-2p-pipe", "cost": {}}
+    collective_bytes.attach(row, prefix, argparse.Namespace(procs=2), argparse.Namespace(steps=5, warmup=3, tpu="v5e"))
+    assert row["cost"]["collectives_counted"] == dict(counted, tpu="v5e", collective_s=432 / 400e9)  # v5e: 400 GB/s
+    assert [line.split() for line in collective_bytes.table([row])[-3:]] == [
+        ["xla-zero1-2p-pipe", "all-reduce", "2", "1.00", "400", "400"],
+        ["xla-zero1-2p-pipe", "send", "2", "1.00", "32", "32"],
+        ["xla-zero1-2p-pipe", "total", "432", "432", "est.", "0.00108", "us", "on", "one", "v5e's", "ICI"]]
 
 
 def test_a_system_that_marked_nothing_reports_why(tmp_path):
