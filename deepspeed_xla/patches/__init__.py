@@ -15,7 +15,7 @@ from importlib import metadata
 
 from deepspeed_xla.devices import wants_xla
 from deepspeed_xla.patches import (accelerate, checkpoints, comm, compiler, config, engine, grad_checks, hub_kernels,
-                                  launcher, precision, tensor_parallel, trainer, zero)
+                                  launcher, precision, tensor_parallel, trainer, zero, zero3_hooks)
 # WRITTEN_FOR, VERSIONS, SUPPORTED, Patch, is_applied, source_digest and upstream_digest are this package's API too.
 from deepspeed_xla.patches.registry import (SUPPORTED, VERSIONS, WRITTEN_FOR, Patch, _apply, in_range, is_applied,
                                             label, releases, requirement, source_digest, upstream_digest)
@@ -87,6 +87,8 @@ PATCHES = [
                              ("_convert_to_zero_parameters", "df65a7124c1cdc9c"))),
     Patch("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "_register_deepspeed_module",
           zero.zero3_register_module, "05081f6e841fa219"),
+    Patch("deepspeed.runtime.zero.partition_parameters", "", "print_rank_0", zero3_hooks.print_rank_0_when_asked,
+          "bdf0d39499da2560"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "skipped_steps", engine.skipped_steps, "c4c6e01aa1fc4e7d",
           reads=("_take_model_step", )),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_optimizer", engine.configure_optimizer,
