@@ -37,6 +37,7 @@ _AFTER_IMPORT = {
     "deepspeed.runtime.engine": _PATCHES_HOOK,
     "deepspeed.runtime.utils": _PATCHES_HOOK,
     "deepspeed.runtime.bf16_optimizer": _PATCHES_HOOK,
+    "deepspeed.runtime.comm.coalesced_collectives": _PATCHES_HOOK,
     "deepspeed.runtime.zero.stage_1_and_2": _PATCHES_HOOK,
     "deepspeed.runtime.zero.stage3": _PATCHES_HOOK,
     "deepspeed.runtime.zero.linear": _PATCHES_HOOK,

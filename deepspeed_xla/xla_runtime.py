@@ -147,6 +147,13 @@ def sync(wait: bool = True) -> None:
         wait_device()
 
 
+@_names_out_of_memory
+def sync_live() -> None:
+    """Execute every pending tensor of this process in one graph, without waiting for it; unlike ``sync`` it does
+    not end the step (torch_xla's step marker also moves the RNG seed on)."""
+    torch_xla()._XLAC._xla_sync_live_tensors("", [], wait=False)
+
+
 def set_seed(seed: int) -> None:
     xm().set_rng_state(int(seed))
 

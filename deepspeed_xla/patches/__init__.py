@@ -3,11 +3,12 @@
 The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
 the XLA accelerator is DeepSpeed's. ``tests/patches/test_table.py`` fails when an upstream target changes.
 The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine`` (its checkpoints: ``checkpoints``),
-``zero``, ``precision``, ``grad_checks``, ``config``, ``compiler``, ``launcher``, ``comm``, ``tensor_parallel``, the
-two places where the Hugging Face stack runs DeepSpeed (``accelerate``, ``trainer``) and transformers'
-``hub_kernels``, which cannot serve XLA; ``registry`` defines ``Patch``, the supported releases and how a patch is
-checked and applied. Their figures: (docs/performance.md, 'Why the patches exist'). One change is not in the table
-because it must come before its target's import: ``stablehlo`` (torch_xla's exporter, loaded at first use).
+``zero`` (ZeRO-3's gradient reduce-scatter: ``zero3_reduce``), ``precision``, ``grad_checks``, ``config``,
+``compiler``, ``launcher``, ``comm``, ``tensor_parallel``, the two places where the Hugging Face stack runs
+DeepSpeed (``accelerate``, ``trainer``) and transformers' ``hub_kernels``, which cannot serve XLA; ``registry``
+defines ``Patch``, the supported releases and how a patch is checked and applied. Their figures: (docs/performance.md,
+'Why the patches exist'). One change is not in the table because it must come before its target's import:
+``stablehlo`` (torch_xla's exporter, loaded at first use).
 """
 import sys
 import warnings
@@ -15,7 +16,8 @@ from importlib import metadata
 
 from deepspeed_xla.devices import wants_xla
 from deepspeed_xla.patches import (accelerate, checkpoints, comm, compiler, config, engine, grad_checks, hub_kernels,
-                                  launcher, precision, tensor_parallel, trainer, zero, zero3_hooks)
+                                  launcher, precision, tensor_parallel, trainer, zero, zero3_hooks, zero3_reduce,
+                                  zero_startup)
 # WRITTEN_FOR, VERSIONS, SUPPORTED, Patch, is_applied, source_digest and upstream_digest are this package's API too.
 from deepspeed_xla.patches.registry import (SUPPORTED, VERSIONS, WRITTEN_FOR, Patch, _apply, in_range, is_applied,
                                             label, releases, requirement, source_digest, upstream_digest)
@@ -87,8 +89,12 @@ PATCHES = [
                              ("_convert_to_zero_parameters", "df65a7124c1cdc9c"))),
     Patch("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "_register_deepspeed_module",
           zero.zero3_register_module, "05081f6e841fa219"),
+    # stage3 imports defragment by name.
+    Patch("deepspeed.runtime.zero.stage3", "", "defragment", zero_startup.defragment_at_once, "3882c6720522a8ca"),
     Patch("deepspeed.runtime.zero.partition_parameters", "", "print_rank_0", zero3_hooks.print_rank_0_when_asked,
           "bdf0d39499da2560"),
+    Patch("deepspeed.runtime.comm.coalesced_collectives", "", "_torch_reduce_scatter_fn",
+          zero3_reduce.reduce_scatter_computes_pending, "3b7ff5c86484fbae"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "skipped_steps", engine.skipped_steps, "c4c6e01aa1fc4e7d",
           reads=("_take_model_step", )),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_optimizer", engine.configure_optimizer,

@@ -28,6 +28,7 @@ _DEEPSPEED_FILES = {
     "deepspeed.launcher.runner": "956d554ea5c9b142",
     "deepspeed.module_inject.layers": "759279bfa77043a6",
     "deepspeed.runtime.bf16_optimizer": "12b5e15e30a6e4b4",
+    "deepspeed.runtime.comm.coalesced_collectives": "7b545a32225b0315",
     "deepspeed.runtime.checkpoint_engine.utils": "dcf4c8dcbebc12d4",
     "deepspeed.runtime.compiler": "519b1947e9fa6c43",
     "deepspeed.runtime.config": "4e45da379fdeb14c",
@@ -40,6 +41,7 @@ _DEEPSPEED_FILES = {
     "deepspeed.runtime.zero.partition_parameters": "c7866c302ef1a975",
     "deepspeed.runtime.zero.stage3": "4ff3fdb4cbabaddf",
     "deepspeed.runtime.zero.stage_1_and_2": "752235af95d0de6f",
+    "deepspeed.runtime.zero.utils": "3211114393b1a156",
     "deepspeed.utils.config": "3b897ee836bff115",
     "deepspeed.utils.nvtx": "1ca82972b9f95b35",
 }

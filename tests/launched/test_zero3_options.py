@@ -96,12 +96,13 @@ def saved_16bit_model(engine, case: str) -> dict:
 
 def train(case: str) -> dict:
     """Case ``case``'s losses, this rank's final weights (gathered), its leaf modules and, on XLA, the graph counters
-    after the warm-up and after every later step. Losses are read after the counters: the steps must not read the
-    device."""
+    after the warm-up and after every later step, the graphs its ``engine.step()`` calls compiled, and whether each
+    step's loss was still unexecuted after the backward. Losses are read after the counters: the steps must not read
+    the device."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import groups, set_z3_leaf_modules, z3_leaf_module
-    from deepspeed_xla.xla_runtime import graph_counters
+    from deepspeed_xla.xla_runtime import graph_counters, pending
     on_xla = get_accelerator().device_name() == "xla"
     zero, leaf_blocks = CASES[case]
     torch.manual_seed(0)
@@ -111,13 +112,18 @@ def train(case: str) -> dict:
     config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
               "zero_optimization": zero, "steps_per_print": 1000}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    losses, counters = [], []
+    losses, counters, loss_pending, step_compilations = [], [], [], 0
     for step, (features, targets) in enumerate(batches(engine.global_rank)):
         if on_xla and step >= WARMUP:
             counters.append(graph_counters())
         loss = engine(features.to(engine.device).requires_grad_(), targets.to(engine.device))
         engine.backward(loss)
+        if on_xla:
+            loss_pending += pending([loss])
+            before = graph_counters()["compilations"]
         engine.step()
+        if on_xla:
+            step_compilations += graph_counters()["compilations"] - before
         losses.append(loss.detach())
     if on_xla:
         counters.append(graph_counters())
@@ -129,7 +135,8 @@ def train(case: str) -> dict:
     leaves = [name for name, module in engine.module.named_modules() if z3_leaf_module(module)]
     engine.destroy()
     groups._release_process_group_references()  # the next case starts from no DeepSpeed groups, as a new process
-    return {"losses": losses, "params": params, "counters": counters, "leaves": leaves, "saved": saved}
+    return {"losses": losses, "params": params, "counters": counters, "leaves": leaves, "saved": saved,
+            "loss_pending": loss_pending, "step_compilations": step_compilations}
 
 
 def rank_main() -> None:
@@ -167,6 +174,28 @@ def test_trains_like_cpu_accelerator(runs, case):
         assert len(steps) == STEPS - WARMUP
         assert steps == [{"compilations": 0, "executions": EXECUTIONS_PER_STEP[case], "transfers_to_host": 0}] * len(
             steps), (rank, steps)
+
+
+def test_each_step_computes_its_loss_with_its_gradients(runs):
+    """On XLA the loss is executed by the graph that computes the gradients (the one ZeRO-3's reduce-scatter runs on
+    PJRT CPU), not left to the step's graph to compute the forward and the backward again
+    (``patches/zero3_reduce.py``)."""
+    xla, _ = runs
+    for rank, record in enumerate(xla):
+        for case in CASES:
+            assert record[case].get("loss_pending") == [False] * STEPS, (rank, case, record[case].get("failed"))
+
+
+@pytest.mark.parametrize("case", ["granularity-blocks", "granularity-model", "leaf-blocks"])
+def test_leaves_compile_no_step_graph_of_their_own(runs, case):
+    """ZeRO-3 leaves change how the parameters are gathered, not the optimizer's step: a case with leaves compiles no
+    graph in its ``engine.step()`` calls, whose graphs threshold 0 (trained earlier in the same processes) compiled.
+    DeepSpeed's own ``test_finegrained_optimization`` trains threshold 0 and then a larger one in the same processes
+    the same way (docs/configuration.md)."""
+    assert list(CASES).index("granularity-0") < list(CASES).index(case)
+    xla, _ = runs
+    for rank, record in enumerate(xla):
+        assert record[case].get("step_compilations") == 0, (rank, record[case].get("failed"))
 
 
 def test_16bit_save_holds_the_trained_weights(runs):
