@@ -6,9 +6,13 @@ anything DeepSpeed executes once per tensor is a graph XLA has not compiled yet:
 hide it behind the compilation cache, while a real model's first start (or a TPU restart without a warm cache) pays
 it per distinct shape. One process per depth trains every case in turn, the two running at once; each case counts
 torch_xla's compilations around its ``deepspeed.initialize`` and first step.
+
+``python -m tests.launched.test_startup_compiles 2 4 16`` prints the counts at those depths with DeepSpeed's own
+``defragment`` and with ``patches/zero_startup.py``'s (docs/performance.md, 'Start-up compilations').
 """
 import json
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -66,16 +70,20 @@ def first_step(case: str, layers: int) -> dict:
 
 
 def rank_main() -> None:
-    """One process (its depth in ``sys.argv``): every case in turn."""
+    """One process (its depth in ``sys.argv``, then ``upstream`` for DeepSpeed's own ``defragment``): every case in
+    turn."""
     import deepspeed
     deepspeed.init_distributed()
-    layers = int(sys.argv[1])
+    layers, upstream = int(sys.argv[1]), sys.argv[2:] == ["upstream"]
+    if upstream:
+        import deepspeed.runtime.zero.stage3 as stage3
+        stage3.defragment = stage3.defragment.__wrapped__
     record_cases(CASES, lambda case: first_step(case, layers), OUT_ENV)
 
 
-def launch(layers: int, out: Path) -> dict:
-    run_forked_job(f"{__name__}:rank_main", "xla", 1, {OUT_ENV: str(out)}, after_import=(OUT_ENV, ),
-                   args=(layers, ))
+def launch(layers: int, out: Path, upstream: bool = False) -> dict:
+    run_forked_job("tests.launched.test_startup_compiles:rank_main", "xla", 1, {OUT_ENV: str(out)}, after_import=(OUT_ENV, ),
+                   args=(layers, *(["upstream"] if upstream else [])))
     return json.loads(Path(f"{out}.rank0").read_text())
 
 
@@ -94,3 +102,20 @@ def test_first_step_compiles_the_same_at_every_depth(depths, case):
     assert "failed" not in shallow and "failed" not in deep, shallow.get("failed") or deep.get("failed")
     assert deep["tensors"] == 4 * shallow["tensors"]
     assert deep["compilations"] == shallow["compilations"] <= MOST_COMPILATIONS, (shallow, deep)
+
+
+def main(depths) -> None:
+    """Print each case's compilations at each depth, upstream's and patched (one process at a time)."""
+    workdir = Path(tempfile.mkdtemp(prefix="startup-compiles-"))
+    runs = {(layers, upstream): launch(layers, workdir / f"{layers}-{upstream}", upstream)
+            for layers in depths for upstream in (True, False)}
+    print("| case | " + " | ".join(f"{layers} layers ({runs[layers, False][CASES[0]]['tensors']} tensors)"
+                                    for layers in depths) + " |")
+    print("|---|" + "---|" * len(depths))
+    for case in CASES:
+        print(f"| {case} | " + " | ".join(f"{runs[layers, True][case]['compilations']} -> "
+                                         f"{runs[layers, False][case]['compilations']}" for layers in depths) + " |")
+
+
+if __name__ == "__main__":
+    main([int(arg) for arg in sys.argv[1:]] or [2, 4, 16])
