@@ -22,6 +22,7 @@ def test_syncs_before_a_host_staged_reduce_scatter_of_several_ranks(monkeypatch,
     monkeypatch.setattr(torch_dist, "get_world_size", lambda group=None: world)
     monkeypatch.setattr(xla_runtime, "sync_live", lambda: events.append("sync"))
     wrapped = zero3_reduce.reduce_scatter_computes_pending(lambda *args, **kwargs: events.append((args, kwargs)))
+    xla_runtime.torch_xla()  # the XLA device type exists once torch_xla is imported
     place = xla_runtime.device() if device == "xla" else torch.device("cpu")
     tensor, output, group = torch.zeros(4, device=place), torch.zeros(2, device=place), object()
     wrapped(tensor, output, group, async_op=False)
