@@ -91,6 +91,10 @@ PATCHES = [
           zero.zero3_register_module, "05081f6e841fa219"),
     # stage3 imports defragment by name.
     Patch("deepspeed.runtime.zero.stage3", "", "defragment", zero_startup.defragment_at_once, "3882c6720522a8ca"),
+    Patch("deepspeed.runtime.zero.partition_parameters", "Init", "_zero_init_param",
+          zero_startup.zero_init_param_in_place, "2930fbd6b94e89a5"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_broadcast_model", zero_startup.broadcast_model_in_place,
+          "56eea8df0dbf0c18"),
     Patch("deepspeed.runtime.zero.partition_parameters", "", "print_rank_0", zero3_hooks.print_rank_0_when_asked,
           "bdf0d39499da2560"),
     Patch("deepspeed.runtime.comm.coalesced_collectives", "", "_torch_reduce_scatter_fn",

@@ -25,3 +25,33 @@ def test_defragment_builds_upstreams_buffer_in_one_execution(xla_device):
     buffer.add_(1)  # each tensor is a view of its span, as upstream's are
     for tensor, source in zip(tensors, sources):
         assert torch.equal(tensor.cpu(), source * 2 + 1)
+
+
+def _tiny(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+
+def ranks_take_rank_0s_weights() -> None:
+    """Run by ``run_ranks`` on 2 ranks, each building the model from a seed of its own: after ``deepspeed.initialize``
+    (ZeRO-0, fp32 and bf16, and ZeRO-3, which broadcasts again as it partitions) every rank holds rank 0's weights."""
+    import deepspeed
+    deepspeed.init_distributed()
+    rank = deepspeed.comm.get_rank()
+    for stage, bf16 in ((0, False), (0, True), (3, False)):
+        config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+                  "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+        net = _tiny(rank)
+        engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+            held = [param.detach().float().cpu() for param in params]
+        expected = [param.detach().to(params[0].dtype).float() for param in _tiny(0).parameters()]
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(held, expected)), (rank, stage, bf16)
+        engine.destroy()
+
+
+def test_engine_and_zero3_broadcast_rank_0s_weights():
+    from tests.multiproc import run_ranks
+    for proc in run_ranks(f"{__name__}:ranks_take_rank_0s_weights", 2, env={"DS_ACCELERATOR": "xla"}, timeout=300):
+        assert proc.returncode == 0, proc.stderr[-4000:]
