@@ -3,7 +3,8 @@
 The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
 the XLA accelerator is DeepSpeed's. ``tests/patches/test_table.py`` fails when an upstream target changes.
 The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine`` (its checkpoints: ``checkpoints``),
-``zero`` (ZeRO-3's gradient reduce-scatter: ``zero3_reduce``), ``precision``, ``grad_checks``, ``config``,
+``zero`` (ZeRO-3's gradient reduce-scatter: ``zero3_reduce``; what ``deepspeed.initialize`` does once per
+parameter: ``zero_startup``), ``precision``, ``grad_checks``, ``config``,
 ``compiler``, ``launcher``, ``comm``, ``tensor_parallel``, the two places where the Hugging Face stack runs
 DeepSpeed (``accelerate``, ``trainer``) and transformers' ``hub_kernels``, which cannot serve XLA; ``registry``
 defines ``Patch``, the supported releases and how a patch is checked and applied. Their figures: (docs/performance.md,
