@@ -153,6 +153,18 @@ def _grad_buffer_span(optimizer, sub_group_id):
     return flat.narrow(0, _flat_offsets(optimizer)[params[0].ds_id], sum(grad.numel() for grad in grads))
 
 
+def _sum_of_squares(gradients, dtype):
+    """Σ g·g over ``gradients``, in ``dtype``: the squared L2 norm with one element operation per element.
+
+    ``torch.linalg.vector_norm`` lowers to |g|, |g|² and a root per tensor on XLA, which DeepSpeed then squares
+    again: two element operations per gradient element (the step graph's count, docs/performance.md 'Cost of a
+    step'). The values differ from upstream's only by the rounding of each tensor's root and square.
+    """
+    import torch
+    gradients = [grad.to(dtype) for grad in gradients]
+    return torch.stack([square.sum() for square in torch._foreach_mul(gradients, gradients)]).sum()
+
+
 def stage3_grad_norm(original):
     """ZeRO-3's gradient norm with the per-parameter norms in one ``_foreach_norm``.
 
@@ -177,6 +189,36 @@ def stage3_grad_norm(original):
         total = total**0.5
         invalid = total.isnan().logical_or(total.isinf())
         return torch.where(invalid, torch.tensor(-1.0, device=self.device, dtype=torch.float), total)
+
+    return get_grad_norm_direct
+
+
+def stage_1_and_2_grad_norm(original):
+    """ZeRO-1/2's L2 gradient norm from the gradients' sum of squares (``_sum_of_squares``), the rest as upstream:
+    the same gradients counted (padding, pipeline-replicated and other model-parallel ranks' parameters left out),
+    the same all-reduces, an inf or NaN norm masked to -1. Other norm types and gradients off the device take the
+    upstream path."""
+
+    @functools.wraps(original)
+    def get_grad_norm_direct(self, gradients, params, norm_type=2):
+        if float(norm_type) != 2.0 or not gradients or any(grad.device.type != "xla" for grad in gradients):
+            return original(self, gradients, params, norm_type)
+        upstream = original.__globals__  # the names the upstream method reads, from its own module
+        dist, replicated = upstream["dist"], upstream["PIPE_REPLICATED"]
+        counted = [grad for grad, param in zip((g for g in gradients if not getattr(g, "_zero_padding", False)),
+                                               params)
+                   if not (hasattr(param, replicated) and param.ds_pipe_replicated)
+                   and (upstream["is_model_parallel_parameter"](param) or self.model_parallel_rank == 0)]
+        if counted:
+            total = _sum_of_squares(counted, upstream["get_norm_dtype"]()).float()
+        else:
+            import torch
+            total = torch.tensor(0.0, dtype=torch.float32).to(self.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+        self._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+        total = total.pow(0.5)
+        upstream["mask_nan_or_inf_with_val_inplace"](total, device=self.device)
+        return total
 
     return get_grad_norm_direct
 

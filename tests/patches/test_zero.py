@@ -191,3 +191,48 @@ def test_offload_reads_the_overflow_deepspeed_reads(tmp_path):
     assert xla["finite"]["overflow"] is cpu["finite"]["overflow"] is False
     assert xla["nan"] == cpu["nan"] == {"overflow": True, "norm": -1.0}
     assert xla["finite"]["norm"] == pytest.approx(cpu["finite"]["norm"], rel=1e-6)
+
+
+def zero2_norm_against_upstream() -> None:
+    """A rank: ZeRO-2's patched gradient norm next to upstream's on the same gradients, for finite gradients (two
+    steps, sizes that leave the last rank's partition padded) and for NaN ones."""
+    import inspect
+    import json
+    import deepspeed
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    found = []
+    patched = DeepSpeedZeroOptimizer.get_grad_norm_direct
+    upstream = inspect.unwrap(patched)
+
+    def grad_norm(self, gradients, params, norm_type=2):
+        mine = patched(self, gradients, params, norm_type)
+        found.append((float(upstream(self, gradients, params, norm_type)), float(mine)))
+        return mine
+
+    DeepSpeedZeroOptimizer.get_grad_norm_direct = grad_norm
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+              "zero_optimization": {"stage": 2}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x = torch.randn(4, 7).to(engine.device)
+    for scale in (1.0, 1.0, float("nan")):
+        engine.backward(engine(x).pow(2).mean() * scale)
+        engine.step()
+    print(json.dumps({"patched": patched is not upstream, "norms": found}))
+
+
+def test_zero2_norm_is_upstreams():
+    """ZeRO-1/2's norm from the gradients' sum of squares (one element operation per gradient element where upstream
+    has |g| and |g|²: tests/bench/test_cost.py counts them) equals upstream's to rounding on 2 ranks, and is
+    DeepSpeed's -1 for NaN gradients."""
+    import json
+    from tests.multiproc import run_ranks
+    for proc in run_ranks("tests.patches.test_zero:zero2_norm_against_upstream", 2, env={"DS_ACCELERATOR": "xla"}):
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert found["patched"]
+        (first, first_mine), (second, second_mine), nan = found["norms"]
+        assert first > 0 and second > 0
+        assert first_mine == pytest.approx(first, rel=1e-6) and second_mine == pytest.approx(second, rel=1e-6)
+        assert nan == [-1.0, -1.0]
