@@ -42,6 +42,7 @@ class Instruction:
     operands: List[str]  # operand instruction names
     attributes: str
     root: bool = False
+    literal: str = ""  # a constant's value as printed
 
 
 def _closing(text: str, start: int) -> int:
@@ -108,7 +109,8 @@ def parse_instruction(line: str) -> Optional[Instruction]:
     # operands are ``%name`` or ``f32[4]{0} %name``; constants and parameters hold literals, not operands
     operands = [] if opcode in ("constant", "parameter", "iota") else [
         token.split()[-1].lstrip("%") for token in _top_level(operand_text) if token.strip()]
-    return Instruction(name, shape, opcode, operands, rest[close:].lstrip(", "), bool(root))
+    literal = operand_text.strip() if opcode == "constant" else ""
+    return Instruction(name, shape, opcode, operands, rest[close:].lstrip(", "), bool(root), literal)
 
 
 def parse_module(text: str) -> Tuple[Dict[str, List[Instruction]], str]:
@@ -213,6 +215,32 @@ def _identity_slice(instruction: Instruction, shapes: Dict[str, str]) -> bool:
             and arrays(shapes[instruction.operands[0]]) == arrays(instruction.shape))
 
 
+#: instructions that pass a value on unchanged: a constant seen through them is still that constant
+_PASS_THROUGH = frozenset(("broadcast", "reshape", "convert", "copy"))
+
+
+def _scalar_constant(name: str, by_name: Dict[str, Instruction]) -> Optional[float]:
+    """The value of a constant (seen through broadcasts, reshapes and converts) that ``name`` is; None otherwise."""
+    instruction = by_name.get(name)
+    while instruction is not None and instruction.opcode in _PASS_THROUGH:
+        instruction = by_name.get(instruction.operands[0])
+    if instruction is None or instruction.opcode != "constant":
+        return None
+    try:
+        return float(instruction.literal)
+    except ValueError:  # an array or tuple literal
+        return None
+
+
+def is_identity(instruction: Instruction, by_name: Dict[str, Instruction]) -> bool:
+    """x·1, 1·x, x/1, x+0, 0+x, x−0: torch_xla emits them (an ``add``'s alpha of 1, a division by a world size
+    of 1), and XLA's algebraic simplifier removes them, so they ask no work of a device."""
+    op, operands = instruction.opcode, instruction.operands
+    values = [_scalar_constant(name, by_name) for name in operands]
+    return ((op == "multiply" and 1.0 in values) or (op == "divide" and values[1:] == [1.0])
+            or (op == "add" and 0.0 in values) or (op == "subtract" and values[1:] == [0.0]))
+
+
 def _counted(computations: Dict[str, List[Instruction]], entry: str) -> List[str]:
     """The entry computation and those it runs as part of the graph (``calls``, ``while`` bodies and conditions,
     ``conditional`` branches), each once."""
@@ -231,15 +259,16 @@ def _counted(computations: Dict[str, List[Instruction]], entry: str) -> List[str
 
 def step_cost(text: str) -> dict:
     """The counts of one HLO module (see the module's docstring): ``dot_flops`` (dots and convolutions),
-    ``elementwise_ops``, ``reduction_ops`` (input elements of each reduce, window elements of each reduce-window),
-    ``movement_elements`` (slices of a whole operand left out), ``bytes_read`` (the entry's parameters),
+    ``elementwise_ops`` (identities XLA removes left out: ``identity_ops``), ``reduction_ops`` (input elements of
+    each reduce, window elements of each reduce-window), ``movement_elements`` (slices of a whole operand left out), ``bytes_read`` (the entry's parameters),
     ``bytes_written`` (the entry's root), ``collectives`` and their total ``collective_bytes``; ``while_loops``:
     bodies counted once each, their trip count being unknown here."""
     computations, entry = parse_module(text)
     cost = {"dot_flops": 0, "elementwise_ops": 0, "reduction_ops": 0, "movement_elements": 0, "bytes_read": 0,
-            "bytes_written": 0, "instructions": 0, "while_loops": 0, "collectives": []}
+            "bytes_written": 0, "identity_ops": 0, "instructions": 0, "while_loops": 0, "collectives": []}
     for name in _counted(computations, entry):
         shapes = {i.name: i.shape for i in computations[name]}
+        by_name = {i.name: i for i in computations[name]}
         for instruction in computations[name]:
             op = instruction.opcode
             cost["instructions"] += 1
@@ -248,7 +277,8 @@ def step_cost(text: str) -> dict:
             elif op == "convolution":
                 cost["dot_flops"] += convolution_flops(instruction, shapes)
             elif op in ELEMENTWISE:
-                cost["elementwise_ops"] += elements(instruction.shape)
+                counted = "identity_ops" if is_identity(instruction, by_name) else "elementwise_ops"
+                cost[counted] += elements(instruction.shape)
             elif op == "reduce":
                 inputs = instruction.operands[:len(instruction.operands) // 2]
                 cost["reduction_ops"] += sum(elements(shapes[i]) for i in inputs if i in shapes)
@@ -273,6 +303,22 @@ def step_cost(text: str) -> dict:
 def dot_count(text: str) -> int:
     """Dots and convolutions in a module's text: how the step graph is told from the others."""
     return len(re.findall(r"\sdot\(|\sconvolution\(", text))
+
+
+def saved_graphs(text: str) -> List[str]:
+    """The HLO modules of a torch_xla ``XLA_SAVE_TENSORS_FILE`` (``XLA_SAVE_TENSORS_FMT=hlo``): one per graph
+    execution, in order, compiled or taken from the cache alike."""
+    return re.findall(r"## BEGIN_GRAPH\n(.*?)\n## END_GRAPH", text, flags=re.S)
+
+
+def step_graph(graphs: List[str]) -> str:
+    """The step among executed graphs: the last of those with the most dots and convolutions (the forward and
+    backward)."""
+    if not graphs:
+        raise ValueError("no graph was executed: run the steps with XLA_SAVE_TENSORS_FILE set and "
+                         "XLA_SAVE_TENSORS_FMT=hlo")
+    counts = [dot_count(graph) for graph in graphs]
+    return graphs[max(range(len(graphs)), key=lambda index: (counts[index], index))]
 
 
 def step_module(dump_dir: Path) -> Path:
