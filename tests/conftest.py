@@ -103,6 +103,21 @@ def pytest_collection_modifyitems(config, items) -> None:
                                  not item.module.__name__.startswith("tests.launched.")))
 
 
+@pytest.fixture(autouse=True)
+def _keeps_the_launch_environment():
+    """A test that leaves a launcher or DeepSpeed variable set (a job secret, a rank) changes what the tests after it
+    on the same worker see: it fails here, naming the variables, instead of one of them failing by the order of runs."""
+    before = _launch_variables()
+    yield
+    after = _launch_variables()
+    changed = sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
+    assert not changed, f"the test left os.environ changed: {changed} (set them with monkeypatch)"
+
+
+def _launch_variables() -> dict:
+    return {k: v for k, v in os.environ.items() if k.startswith(_SCRUB_PREFIXES) or k in _SCRUB}
+
+
 @pytest.fixture
 def env():
     return clean_env

@@ -132,7 +132,8 @@ def test_the_runners_copy_of_the_deepspeed_env_is_never_on_disk(tmp_path):
 def test_the_runner_makes_a_secret_unless_one_is_set_or_each_host_has_its_own_runner(monkeypatch):
     from deepspeed.launcher import runner
     arguments = ["--master_port", "1234", "train.py"]
-    monkeypatch.delenv(JOB_SECRET, raising=False)
+    monkeypatch.setenv(JOB_SECRET, "")  # recorded, so that the secrets made below are undone too
+    monkeypatch.delenv(JOB_SECRET)
     runner.parse_args(arguments)
     made = os.environ[JOB_SECRET]
     assert len(made) == 64 and int(made, 16)
