@@ -115,7 +115,17 @@ def _keeps_the_launch_environment():
 
 
 def _launch_variables() -> dict:
-    return {k: v for k, v in os.environ.items() if k.startswith(_SCRUB_PREFIXES) or k in _SCRUB}
+    """Not XLA's own variables: importing torch_xla adds to ``XLA_FLAGS``."""
+    return {k: v for k, v in os.environ.items() if k.startswith("DS_") or k in _SCRUB}
+
+
+@pytest.fixture
+def launch_env(monkeypatch):
+    """For a test whose code sets launcher variables in this process (the runner's job secret, the rank variables a
+    process started without a launcher gives itself): they start unset and are undone after it."""
+    for name in (*_SCRUB, "DS_XLA_JOB_SECRET"):
+        monkeypatch.setenv(name, "")  # recorded: what the code under test sets is undone too
+        monkeypatch.delenv(name)
 
 
 @pytest.fixture

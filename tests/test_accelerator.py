@@ -120,7 +120,7 @@ MEMBERS = {
 }
 
 
-def test_every_abstract_member_works(accel):
+def test_every_abstract_member_works(accel, launch_env):  # the backend's rank variables
     """Each member of DeepSpeed's interface is implemented and returns what DeepSpeed expects of it."""
     abstract = sorted(DeepSpeedAccelerator.__abstractmethods__)
     assert len(abstract) >= 60
@@ -211,7 +211,7 @@ def test_pinning_is_a_no_op(accel):
     assert accel.pin_empty(4, dtype=torch.float32).shape == (4, )
 
 
-def test_launcher_facing_members(accel):
+def test_launcher_facing_members(accel, launch_env):
     env = {}
     accel.set_visible_devices_envs(env, [0, 1])
     assert env == {accel.visible_devices_envs()[0]: "0,1"}

@@ -14,6 +14,8 @@ from deepspeed_xla.bootstrap import JOB_SECRET, JOB_SECRET_FILE
 from deepspeed_xla.patches import launcher
 from tests.conftest import clean_env
 
+pytestmark = pytest.mark.usefixtures("launch_env")  # the runner's parse_args makes the job's secret in os.environ
+
 TRICKY = {"SPACES": "two  words", "EQUALS": "a=b=c", "FLAGS": "--xla_a=1 --xla_b=2", "SHELL": "it's \"$HOME\" `x`"}
 
 
@@ -132,8 +134,6 @@ def test_the_runners_copy_of_the_deepspeed_env_is_never_on_disk(tmp_path):
 def test_the_runner_makes_a_secret_unless_one_is_set_or_each_host_has_its_own_runner(monkeypatch):
     from deepspeed.launcher import runner
     arguments = ["--master_port", "1234", "train.py"]
-    monkeypatch.setenv(JOB_SECRET, "")  # recorded, so that the secrets made below are undone too
-    monkeypatch.delenv(JOB_SECRET)
     runner.parse_args(arguments)
     made = os.environ[JOB_SECRET]
     assert len(made) == 64 and int(made, 16)
