@@ -6,9 +6,6 @@ On XLA that test reads the norm back every step: a second graph execution and a 
 transfer. ``guard_step`` moves the decision onto the device: the optimizer step always runs, and
 its results are kept only where the norm is valid (``torch.where``), in the same graph.
 
-An optimizer kernel can keep an invalid step's results itself, more cheaply (``KernelGuard``): the guard then leaves
-the tensors it names alone.
-
 What the host no longer sees: a skipped step still counts as a step (global step, LR schedule,
 host-side step counters such as FusedAdam's bias-correction step), and state that a skipped first
 step creates is zeroed rather than absent. ``on_skip`` receives each step's skip flag, on the device.
@@ -24,7 +21,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from deepspeed_xla import env_vars, xla_runtime
+from deepspeed_xla import env_vars
 
 _GUARDED = "_deepspeed_xla_step_guard"
 STREAK_ENV = "DS_XLA_SKIP_STREAK"
@@ -39,40 +36,6 @@ def is_device_checked(norm) -> bool:
 def valid_norm(norm: torch.Tensor) -> torch.Tensor:
     """DeepSpeed's ``not is_invalid_grad_norm(norm)`` as a device boolean."""
     return torch.isfinite(norm).logical_and(norm >= 0).all()
-
-
-class KernelGuard:
-    """The guarded step running now, for an optimizer kernel that makes an invalid step a no-op with its scalars (a
-    learning rate of 0, moments decayed by 1 and mixed with 0): one select per gradient element, where the guard's own
-    ``where`` costs one per element of the weights and of each state tensor. The kernel names what it wrote
-    (``keep``; by XLA tensor, as DeepSpeed's FusedAdam passes a parameter's ``.data``), which the guard leaves as the
-    kernel left it."""
-
-    def __init__(self, valid: torch.Tensor):
-        self.valid = valid
-        self._kept = set()
-
-    def scalar(self, value: torch.Tensor, skipped: float) -> torch.Tensor:
-        """``value`` on a valid step, ``skipped`` on an invalid one."""
-        return torch.where(self.valid, value, skipped)
-
-    def zero_invalid(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        """The gradients, zero on an invalid step (an inf or NaN times 0 is NaN)."""
-        return [torch.where(self.valid, t, 0.0) for t in tensors]
-
-    def keep(self, tensors: List[torch.Tensor]) -> None:
-        self._kept.update(map(xla_runtime.tensor_id, tensors))
-
-    def kept(self, tensor: torch.Tensor) -> bool:
-        return xla_runtime.tensor_id(tensor) in self._kept
-
-
-_RUNNING: List[KernelGuard] = []
-
-
-def running_guard() -> Optional[KernelGuard]:
-    """The guard of the step running now, if that step is guarded on the device."""
-    return _RUNNING[-1] if _RUNNING else None
 
 
 def _stepped_tensors(optimizer: torch.optim.Optimizer) -> List[Tuple[Dict, object]]:
@@ -120,17 +83,10 @@ def guard_step(optimizer: torch.optim.Optimizer, norm_of: Callable[[], Optional[
             return step(*args, **kwargs) if bool(valid.cpu()) else None
         slots = _stepped_tensors(optimizer)
         before = {(id(container), key): container[key].detach().clone() for container, key in slots}
-        guard = KernelGuard(valid)
-        _RUNNING.append(guard)
-        try:
-            result = step(*args, **kwargs)
-        finally:
-            _RUNNING.pop()
+        result = step(*args, **kwargs)
         with torch.no_grad():
             for container, key in _stepped_tensors(optimizer):
                 current = container[key]
-                if guard.kept(current):
-                    continue
                 old = before.get((id(container), key))
                 if old is None or old.shape != current.shape:  # created by this step
                     old = torch.zeros_like(current)

@@ -279,11 +279,6 @@ def execution_clock() -> Tuple[float, Optional[float]]:
     return data[1] / 1e9, end - nanoseconds / 1e9
 
 
-def tensor_id(tensor) -> int:
-    """The XLA tensor's own id: the same for a parameter and its ``.data``, which are two Python objects."""
-    return torch_xla()._XLAC._xla_get_tensor_id(tensor)
-
-
 def _device_type(tensor) -> str:
     """The tensor's device type; the empty string for a tensor torn down under the scan ("tensor does not
     have a device": a DLPack tensor of the host staging being freed on another thread), which holds no

@@ -9,15 +9,11 @@ Tracing, not the device, bounds a small model's step, so the update is built fro
 foreach ops and written back with one copy per list: torch_xla traces an in-place foreach op several
 times slower than an out-of-place one, and ``addcmul_`` slower still (docs/performance.md, "Figures
 behind the code").
-
-In a step guarded on the device (``step_guard``), an invalid step leaves the weights and moments exactly as they were
-through the step's scalars, with one select per gradient element instead of the guard's three per weight.
 """
 import math
 
 import torch
 
-from deepspeed_xla import step_guard
 from deepspeed_xla.op_builder.builder import PythonOpBuilder, bias_corrections, step_scalars
 
 
@@ -30,18 +26,12 @@ class XlaFusedAdam:
         if not params:
             return
         bias1, bias2 = bias_corrections(beta1, beta2, step, bias_correction)
-        lr, bias1, bias2_sqrt, decay1, mix1, decay2, mix2 = step_scalars(
-            params[0].device, lr, bias1, math.sqrt(bias2), beta1, 1 - beta1, beta2, 1 - beta2)
-        guard = step_guard.running_guard()
-        if guard is not None:  # an invalid step: lr 0, each moment times 1 plus 0 times a zeroed gradient
-            grads = guard.zero_invalid(grads)
-            lr, decay1, mix1 = guard.scalar(lr, 0.0), guard.scalar(decay1, 1.0), guard.scalar(mix1, 0.0)
-            decay2, mix2 = guard.scalar(decay2, 1.0), guard.scalar(mix2, 0.0)
+        lr, bias1, bias2_sqrt = step_scalars(params[0].device, lr, bias1, math.sqrt(bias2))
         if weight_decay != 0 and not adam_w_mode:
             grads = torch._foreach_add(grads, params, alpha=weight_decay)
-        avgs = torch._foreach_add(torch._foreach_mul(exp_avgs, decay1), torch._foreach_mul(grads, mix1))
-        squares = torch._foreach_mul(torch._foreach_mul(grads, grads), mix2)
-        avg_sqs = torch._foreach_add(torch._foreach_mul(exp_avg_sqs, decay2), squares)
+        avgs = torch._foreach_add(torch._foreach_mul(exp_avgs, beta1), torch._foreach_mul(grads, 1 - beta1))
+        squares = torch._foreach_mul(torch._foreach_mul(grads, grads), 1 - beta2)
+        avg_sqs = torch._foreach_add(torch._foreach_mul(exp_avg_sqs, beta2), squares)
         denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(avg_sqs), bias2_sqrt), eps)
         updates = torch._foreach_div(torch._foreach_div(avgs, bias1), denom)
         if weight_decay != 0 and adam_w_mode:
@@ -49,8 +39,6 @@ class XlaFusedAdam:
         stepped = torch._foreach_sub(params, torch._foreach_mul(updates, lr))
         for old, new in ((exp_avgs, avgs), (exp_avg_sqs, avg_sqs), (params, stepped)):
             torch._foreach_copy_(old, new)
-        if guard is not None:
-            guard.keep([*exp_avgs, *exp_avg_sqs, *params])
 
 
 class FusedAdamBuilder(PythonOpBuilder):
