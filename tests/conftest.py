@@ -111,7 +111,12 @@ def _keeps_the_launch_environment():
     yield
     after = _launch_variables()
     changed = sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
-    assert not changed, f"the test left os.environ changed: {changed} (set them with monkeypatch)"
+    for key in changed:  # put back, so that only this test fails
+        if key in before:
+            os.environ[key] = before[key]
+        else:
+            del os.environ[key]
+    assert not changed, f"the test left os.environ changed: {changed} (use the launch_env fixture or monkeypatch)"
 
 
 def _launch_variables() -> dict:

@@ -239,7 +239,8 @@ def _check_deepspeed_command(args: List[str], flags: set, where: str) -> None:
 
 
 @pytest.mark.parametrize("block", SHELL_BLOCKS, ids=lambda b: b.where)
-def test_shell_block_is_well_formed(block, train_flags):
+def test_shell_block_is_well_formed(block, train_flags, launch_env):
+    """``deepspeed`` commands are read by the runner's ``parse_args``, which makes the job's secret (``launch_env``)."""
     syntax = run_command(["bash", "-n"], 60, input=block.text)
     assert syntax.returncode == 0, f"{block.where}: {syntax.stderr}"
     for path in REPO_PATH.findall(block.text):
