@@ -128,7 +128,8 @@ def _launch_variables() -> dict:
 def launch_env(monkeypatch):
     """For a test whose code sets launcher variables in this process (the runner's job secret, the rank variables a
     process started without a launcher gives itself): they start unset and are undone after it."""
-    for name in (*_SCRUB, "DS_XLA_JOB_SECRET"):
+    from deepspeed_xla.bootstrap import JOB_SECRET
+    for name in (*_SCRUB, JOB_SECRET):
         monkeypatch.setenv(name, "")  # recorded: what the code under test sets is undone too
         monkeypatch.delenv(name)
 

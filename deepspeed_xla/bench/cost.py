@@ -311,23 +311,26 @@ def saved_graphs(text: str) -> List[str]:
     return re.findall(r"## BEGIN_GRAPH\n(.*?)\n## END_GRAPH", text, flags=re.S)
 
 
+def _step_index(graphs: List[str]) -> int:
+    """Which of the graphs (in execution or compilation order) is the step: the last of those with the most dots and
+    convolutions (the forward and backward), not a first step that also creates the optimizer's state."""
+    counts = [dot_count(graph) for graph in graphs]
+    return max(range(len(graphs)), key=lambda index: (counts[index], index))
+
+
 def step_graph(graphs: List[str]) -> str:
-    """The step among executed graphs: the last of those with the most dots and convolutions (the forward and
-    backward)."""
+    """The step among executed graphs (``_step_index``)."""
     if not graphs:
         raise ValueError("no graph was executed: run the steps with XLA_SAVE_TENSORS_FILE set and "
                          "XLA_SAVE_TENSORS_FMT=hlo")
-    counts = [dot_count(graph) for graph in graphs]
-    return graphs[max(range(len(graphs)), key=lambda index: (counts[index], index))]
+    return graphs[_step_index(graphs)]
 
 
 def step_module(dump_dir: Path) -> Path:
-    """The step graph among an XLA dump's ``*before_optimizations.txt`` modules: the one with the most dots and
-    convolutions (the forward and backward), the last compiled of those (module numbers count compilations): the
-    step a loop runs after warm-up, not a first step that also creates the optimizer's state."""
+    """The step graph among an XLA dump's ``*before_optimizations.txt`` modules (``_step_index``; module numbers
+    count compilations): the step a loop runs after warm-up."""
     modules = sorted(Path(dump_dir).glob("module_*.before_optimizations.txt"))
     if not modules:
         raise FileNotFoundError(f"no module_*.before_optimizations.txt in {dump_dir}: run the system with "
                                 f"XLA_FLAGS='--xla_dump_to={dump_dir} --xla_dump_hlo_as_text'")
-    counts = [(dot_count(path.read_text()), index) for index, path in enumerate(modules)]
-    return modules[max(counts)[1]]
+    return modules[_step_index([path.read_text() for path in modules])]

@@ -1,8 +1,5 @@
 """Registering the backends: what a registered backend's process does at exit."""
-import subprocess
-import sys
-
-from tests.multiproc import free_port
+from tests.multiproc import free_port, run_python
 
 _SCRIPT = """
 import atexit
@@ -16,10 +13,9 @@ print("groups at the script's end:", dist.is_initialized())
 """
 
 
-def test_a_script_that_leaves_its_groups_has_them_destroyed_before_the_interpreter_ends(env):
+def test_a_script_that_leaves_its_groups_has_them_destroyed_before_the_interpreter_ends():
     """Left to the interpreter's finalization, a gloo group's threads can abort the finished process."""
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT.format(port=free_port())], env=env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = run_python(_SCRIPT.format(port=free_port()))
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [line for line in proc.stdout.splitlines() if line.startswith("groups at")]  # gloo prints too
     assert said == ["groups at the script's end: True", "groups at the interpreter's end: False"]
