@@ -166,11 +166,10 @@ def _sum_of_squares(gradients, dtype):
 
 
 def stage3_grad_norm(original):
-    """ZeRO-3's gradient norm with the per-parameter norms in one ``_foreach_norm``.
+    """ZeRO-3's gradient norm from the gradients' sum of squares (``_sum_of_squares``, foreach ops).
 
-    Upstream traces three ops and a view replay per parameter (host work on XLA, every step); the
-    foreach form reduces each gradient alike, so the norms are the same. Model- and expert-parallel
-    runs and other norm types take the upstream path.
+    Upstream traces three ops and a view replay per parameter (host work on XLA, every step) and takes each
+    gradient's norm only to square it. Model- and expert-parallel runs and other norm types take the upstream path.
     """
 
     @functools.wraps(original)
@@ -183,8 +182,7 @@ def stage3_grad_norm(original):
         from deepspeed import comm as dist
         from deepspeed.runtime.zero.utils import get_norm_dtype
         self._assert_same_partition_group(params)
-        norms = torch._foreach_norm([grad.to(get_norm_dtype()) for grad in gradients], 2.0)
-        total = torch.sum(torch.pow(torch.stack(norms), 2.0))
+        total = _sum_of_squares(gradients, get_norm_dtype())
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._get_param_partition_group(params[0]))
         total = total**0.5
         invalid = total.isnan().logical_or(total.isinf())

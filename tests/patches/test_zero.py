@@ -1,6 +1,7 @@
 """``patches/zero.py``: ZeRO-3's step shortcuts and ZeRO-1/2 offload's batched reads give upstream's values with
 less host work."""
 import inspect
+import math
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_zero3_step_shortcuts_match_upstream():
     """ZeRO-3's optimizer reads each gradient partition (a view of the flat gradient buffer) for its input
     and for the norm, and wraps every module's inputs and outputs in autograd Functions that torch binds
     to their signature on each call: host work per parameter and per module, every step. The patches
-    give the same gradients and norm (2 ranks: partitions with padding; several sub-groups) and bind
+    give the same gradients and, up to rounding, the same norm (2 ranks: partitions with padding; several sub-groups) and bind
     no signature in steady state. The ranks end right after ``engine.step()``, which deadlocked at exit
     before ``xla_runtime._drain_before_exit``."""
     import json
@@ -89,7 +90,8 @@ def test_zero3_step_shortcuts_match_upstream():
         assert found["spans"] == len(found["gradients"]) == 5 * found["sub_groups"]
         assert all(upstream == patched for upstream, patched in found["gradients"])
         assert len(found["norms"]) == 5 * found["sub_groups"]
-        assert all(upstream == patched for upstream, patched in found["norms"])
+        assert all(upstream > 0 and math.isclose(upstream, patched, rel_tol=1e-6)
+                   for upstream, patched in found["norms"]), found["norms"]  # a sum of squares: rounding apart
         assert found["signatures"] == 0
 
 
