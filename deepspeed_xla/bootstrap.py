@@ -50,6 +50,7 @@ _AFTER_IMPORT = {
     "deepspeed.launcher.multinode_runner": _PATCHES_HOOK,
     "deepspeed.comm.torch": _PATCHES_HOOK,
     "deepspeed.module_inject.layers": _PATCHES_HOOK,
+    "deepspeed.utils.nvtx": _PATCHES_HOOK,
     "accelerate.state": _PATCHES_HOOK,
     "accelerate.utils.deepspeed": _PATCHES_HOOK,
     "transformers.trainer": _PATCHES_HOOK,

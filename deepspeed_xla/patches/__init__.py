@@ -3,13 +3,13 @@
 The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
 the XLA accelerator is DeepSpeed's. ``tests/patches/test_table.py`` fails when an upstream target changes.
 The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine`` (its checkpoints: ``checkpoints``),
-``zero`` (ZeRO-3's gradient reduce-scatter: ``zero3_reduce``; what ``deepspeed.initialize`` does once per
-parameter: ``zero_startup``), ``precision``, ``grad_checks``, ``config``,
-``compiler``, ``launcher``, ``comm``, ``tensor_parallel``, the two places where the Hugging Face stack runs
-DeepSpeed (``accelerate``, ``trainer``) and transformers' ``hub_kernels``, which cannot serve XLA; ``registry``
-defines ``Patch``, the supported releases and how a patch is checked and applied. Their figures: (docs/performance.md,
-'Why the patches exist'). One change is not in the table because it must come before its target's import:
-``stablehlo`` (torch_xla's exporter, loaded at first use).
+``zero`` (ZeRO-3's gradient reduce-scatter: ``zero3_reduce``; what ``deepspeed.initialize`` does once per parameter:
+``zero_startup``; its per-module hooks: ``zero3_hooks``), ``precision``, ``grad_checks``, ``config``, ``nvtx`` (its
+ranges, which XLA does not record), ``compiler``, ``launcher``, ``comm``, ``tensor_parallel``, the two places where
+the Hugging Face stack runs DeepSpeed (``accelerate``, ``trainer``) and transformers' ``hub_kernels``, which cannot
+serve XLA; ``registry`` defines ``Patch``, the supported releases and how a patch is checked and applied. Their
+figures: (docs/performance.md, 'Why the patches exist'). One change is not in the table because it must come before
+its target's import: ``stablehlo`` (torch_xla's exporter, loaded at first use).
 """
 import sys
 import warnings
@@ -17,8 +17,8 @@ from importlib import metadata
 
 from deepspeed_xla.devices import wants_xla
 from deepspeed_xla.patches import (accelerate, checkpoints, comm, compiler, config, engine, grad_checks, hub_kernels,
-                                  launcher, precision, tensor_parallel, trainer, zero, zero3_hooks, zero3_reduce,
-                                  zero_startup)
+                                  launcher, nvtx, precision, tensor_parallel, trainer, zero, zero3_hooks,
+                                  zero3_reduce, zero_startup)
 # WRITTEN_FOR, VERSIONS, SUPPORTED, Patch, is_applied, source_digest and upstream_digest are this package's API too.
 from deepspeed_xla.patches.registry import (SUPPORTED, VERSIONS, WRITTEN_FOR, Patch, _apply, in_range, is_applied,
                                             label, releases, requirement, source_digest, upstream_digest)
@@ -100,6 +100,8 @@ PATCHES = [
           "56eea8df0dbf0c18"),
     Patch("deepspeed.runtime.zero.partition_parameters", "", "print_rank_0", zero3_hooks.print_rank_0_when_asked,
           "bdf0d39499da2560"),
+    Patch("deepspeed.utils.nvtx", "", "enable_nvtx", nvtx.ranges_off, "c538ccdda7c8ea15",
+          reads=("instrument_w_nvtx", )),
     Patch("deepspeed.runtime.comm.coalesced_collectives", "", "_torch_reduce_scatter_fn",
           zero3_reduce.reduce_scatter_computes_pending, "3b7ff5c86484fbae"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "skipped_steps", engine.skipped_steps, "c4c6e01aa1fc4e7d",
