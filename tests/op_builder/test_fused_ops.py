@@ -143,3 +143,31 @@ def test_fused_lamb_matches_the_reference_lamb_step(xla_device, bias_correction,
             torch.testing.assert_close(mine.detach().cpu(), theirs, rtol=1e-5, atol=1e-6, msg=f"step {step}")
     assert clamped == {settings["max_coeff"], settings["min_coeff"]}, "the bounds never clamped a ratio"
     assert first_coeffs[2] == 1.0, "the zero tensor's first ratio"
+
+
+@pytest.mark.parametrize("adam_w_mode, torch_cls", [(True, torch.optim.AdamW), (False, torch.optim.Adam)])
+def test_fused_adam_asks_no_more_element_work_than_torch_optimizer(xla_device, adam_w_mode, torch_cls):
+    """The step's graph, counted as docs/performance.md's 'Cost of a step' counts it: FusedAdam's update (weights
+    and both moments) takes no more element operations than torch's own foreach optimizer on the same tensors. The
+    CUDA kernel's form, ``p − lr·(m/(1 − β₁ᵗ)/denom + wd·p)``, took two per element more in AdamW mode."""
+    import torch_xla
+    from deepspeed_xla.bench.cost import step_cost
+
+    def update_ops(make):
+        params = _params(xla_device)
+        optimizer = make(params)
+        for step in range(2):  # the first step creates the state
+            torch_xla.sync()
+            for p in params:
+                p.grad = torch.full_like(p, 0.5 + step)
+            optimizer.step()
+        state = [optimizer.state[p][key] for p in params for key in ("exp_avg", "exp_avg_sq")]
+        cost = step_cost(torch_xla._XLAC._get_xla_tensors_hlo([*params, *state]))
+        torch_xla.sync()
+        return cost["elementwise_ops"]
+
+    elements = sum(p.numel() for p in _params("cpu"))
+    ours = update_ops(lambda params: FusedAdam(params, lr=0.01, weight_decay=0.1, adam_w_mode=adam_w_mode))
+    theirs = update_ops(lambda params: torch_cls(params, lr=0.01, weight_decay=0.1, foreach=True))
+    assert theirs >= 8 * elements  # torch's update is counted: both moments and the weights
+    assert ours <= theirs, (ours, theirs, elements)
