@@ -138,7 +138,17 @@ def _owner(patch: Patch):
 def _function(owner, name: str):
     """The upstream function behind ``owner.name``, unwrapped; a property's getter."""
     declared = inspect.getattr_static(owner, name) if isinstance(owner, type) else None
-    return inspect.unwrap(declared.fget if isinstance(declared, property) else getattr(owner, name))
+    return _unwrapped(declared.fget if isinstance(declared, property) else getattr(owner, name))
+
+
+def _unwrapped(function):
+    """``inspect.unwrap``, also through DeepSpeed's ``instrument_w_nvtx``, which holds the function in its closure
+    without ``functools.wraps``: the digest would be of nvtx.py's wrapper, the same whatever the method became."""
+    function = inspect.unwrap(function)
+    while getattr(function, "__qualname__", "") == "instrument_w_nvtx.<locals>.wrapped_fn":
+        cells = dict(zip(function.__code__.co_freevars, function.__closure__))
+        function = inspect.unwrap(cells["func"].cell_contents)
+    return function
 
 
 def upstream_code(patch: Patch) -> List:

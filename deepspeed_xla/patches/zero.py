@@ -13,16 +13,18 @@ import inspect
 
 
 def stage3_partition_grads(original):
-    """ZeRO-3: write a bucket's gradient partitions into the flat gradient buffer with one update.
+    """ZeRO-3: a bucket's gradient partitions reach the flat gradient buffer in one update per backward.
 
-    Upstream copies each partition into its slice of ``grad_partitions_flat_buffer``. torch_xla
-    lowers every copy into a slice as a select over the whole buffer (pytorch/xla#4791), so a step
-    did (parameters x buffer) element operations, like ``contiguous_gradients`` in ZeRO-1/2. Here
-    the new buffer is concatenated from the partitions and the untouched spans and copied in once;
-    the per-parameter views DeepSpeed reads afterwards see the same values. Offloaded gradients
-    live in host memory: a bucket's go there in one transfer, summed on the device with what earlier
-    micro-steps accumulated (``_offloaded_partitions_to_host``). Relies on the buffer's layout, which
-    ``__init__`` builds in ``fp16_groups`` order (``_flat_offsets``).
+    Upstream copies each partition into its slice of ``grad_partitions_flat_buffer``. torch_xla lowers every copy
+    into a slice as a select over the whole buffer (pytorch/xla#4791), so a step did (parameters x buffer) element
+    operations, like ``contiguous_gradients`` in ZeRO-1/2; one update per bucket would still move (buckets x buffer)
+    elements. Here the partitions are kept until the backward's epilogue (``stage3_writes_grads_at_epilogue``), which
+    concatenates them with the untouched spans and copies the buffer once; the per-parameter views DeepSpeed reads
+    after it see the same values. With ``contiguous_gradients`` the partitions are views of the bucket's buffer, which
+    the next bucket overwrites: each bucket is written at once. Offloaded gradients live in host memory: a bucket's
+    go there in one transfer, summed on the device with what earlier micro-steps accumulated
+    (``_offloaded_partitions_to_host``). Relies on the buffer's layout, which ``__init__`` builds in ``fp16_groups``
+    order (``_flat_offsets``).
     """
 
     @functools.wraps(original)
@@ -32,11 +34,10 @@ def stage3_partition_grads(original):
             return _offloaded_partitions_to_host(self, params_to_release, grad_partitions)
         if self.offload_optimizer or flat.device.type != "xla":
             return original(self, params_to_release, grad_partitions)
-        import torch
         offsets = _flat_offsets(self)
         views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
         accumulate = self.micro_step_id != 0
-        spans, buffers = [], []
+        spans, buffers = self.__dict__.setdefault(_PENDING_GRADS, []), []
         for param, grad_partition in zip(params_to_release, grad_partitions):
             param.grad = None
             if param.partition_numel() * self._get_param_partition_rank(param) >= param.ds_numel:
@@ -50,20 +51,45 @@ def stage3_partition_grads(original):
                 grad = flat.narrow(0, offset, numel) + grad
             spans.append((offset, numel, grad))
             buffers.append(view if view.numel() == numel else view.narrow(0, 0, numel))
-        # Tracing is the cost here (each op is host work): gaps of zero length add no piece.
-        pieces, end = [], 0
-        for offset, numel, grad in sorted(spans, key=lambda span: span[0]):
-            if offset > end:
-                pieces.append(flat.narrow(0, end, offset - end))
-            pieces.append(grad)
-            end = offset + numel
-        if end < flat.numel():
-            pieces.append(flat.narrow(0, end, flat.numel() - end))
-        if spans:
-            flat.copy_(torch.cat(pieces))
+        if self.contiguous_gradients:
+            _write_pending_grads(self)
         return buffers
 
     return partition_grads
+
+
+_PENDING_GRADS = "_deepspeed_xla_pending_grads"
+
+
+def _write_pending_grads(optimizer) -> None:
+    """The kept gradient partitions into ZeRO-3's flat buffer: one concatenation, one copy."""
+    spans = optimizer.__dict__.pop(_PENDING_GRADS, None)
+    if not spans:
+        return
+    import torch
+    flat = optimizer.grad_partitions_flat_buffer
+    pieces, end = [], 0  # tracing is the cost here (each op is host work): gaps of zero length add no piece
+    for offset, numel, grad in sorted(spans, key=lambda span: span[0]):
+        if offset > end:
+            pieces.append(flat.narrow(0, end, offset - end))
+        pieces.append(grad)
+        end = offset + numel
+    if end < flat.numel():
+        pieces.append(flat.narrow(0, end, flat.numel() - end))
+    flat.copy_(torch.cat(pieces))
+
+
+def stage3_writes_grads_at_epilogue(original):
+    """ZeRO-3's ``independent_gradient_partition_epilogue``, after which DeepSpeed reads the gradient partitions (the
+    norm, the optimizer's input, ``safe_get_full_grad``): the partitions ``stage3_partition_grads`` kept go into the
+    flat buffer here, once per backward (per phase with reentrant checkpointing, which runs it per phase)."""
+
+    @functools.wraps(original)
+    def independent_gradient_partition_epilogue(self):
+        original(self)
+        _write_pending_grads(self)
+
+    return independent_gradient_partition_epilogue
 
 
 def _to_host_at_once(tensors, dtype) -> list:

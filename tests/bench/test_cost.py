@@ -222,12 +222,11 @@ def _counted_cases(tmp_path, name, *flags) -> list:
 
 @pytest.fixture(scope="module")
 def step_graph_cases(tmp_path_factory):
-    """The floor and ZeRO 0-3, fp32 and bf16, at ``DEPTHS`` (one process per system); and ZeRO-1/2 at 2 layers
-    in fp32 with ``reduce_bucket_size`` below the largest parameter. (ZeRO-3 writes each bucket's gradients into its
-    whole flat buffer: its moved elements grow with the buckets, docs/performance.md.)"""
+    """The floor and ZeRO 0-3, fp32 and bf16, at ``DEPTHS`` (one process per system); and ZeRO 1-3 at 2 layers
+    in fp32 with ``reduce_bucket_size`` below the largest parameter."""
     tmp_path = tmp_path_factory.mktemp("step_graphs")
     return {"default": _counted_cases(tmp_path, "default", "--layers", *map(str, DEPTHS)),
-            "small_bucket": _counted_cases(tmp_path, "small_bucket", "--systems", "zero1", "zero2",
+            "small_bucket": _counted_cases(tmp_path, "small_bucket", "--systems", "zero1", "zero2", "zero3",
                                            "--dtypes", "fp32", "--layers", "2", "--zero",
                                            f"reduce_bucket_size={SMALL_BUCKET}")}
 
@@ -264,6 +263,8 @@ def test_nothing_grows_with_depth(step_graph_cases):
 
 
 def test_nothing_grows_with_smaller_buckets(step_graph_cases):
+    """(parameters x buckets): ZeRO-3 wrote each bucket's gradient partitions into its whole flat buffer, 6.31 M moved
+    elements at 2 layers with buckets of 5,000 against 3.58 M with one, until it wrote them once per backward."""
     default = {(r["system"], r["dtype"], r["layers"]): r for r in step_graph_cases["default"]}
     for small in step_graph_cases["small_bucket"]:
         usual = default[small["system"], small["dtype"], small["layers"]]

@@ -68,3 +68,16 @@ def test_upstream_files_are_the_ones_recorded():
     at_installed = {module for module, digests in registry.UPSTREAM_FILES.items()
                     if metadata.version(module.split(".")[0]) in digests}
     assert {name for name in installed if " " not in name} == at_installed
+
+
+def test_a_method_deepspeed_wraps_for_nvtx_is_digested_itself():
+    """``instrument_w_nvtx`` holds the method in its closure without ``functools.wraps``: a digest of its wrapper
+    (nvtx.py's ``wrapped_fn``) stayed the same whatever DeepSpeed did to the method, so a change went unseen."""
+    from deepspeed_xla.patches import zero
+    for patch in patches.PATCHES:
+        if patch.applies_to(metadata.version(patch.distribution)):
+            importlib.import_module(patch.module)
+            assert all(code.__qualname__ != "instrument_w_nvtx.<locals>.wrapped_fn"
+                       for code in registry.upstream_code(patch)), registry.label(patch)
+    (norm, ) = [patch for patch in patches.PATCHES if patch.wrapper is zero.stage3_grad_norm]
+    assert registry.upstream_code(norm)[0].__qualname__ == "DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct"
