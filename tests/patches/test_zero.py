@@ -128,12 +128,12 @@ def test_zero3_writes_the_gradients_upstream_writes():
 
 
 def test_zero3_step_shortcuts_match_upstream():
-    """ZeRO-3's optimizer reads each gradient partition (a view of the flat gradient buffer) for its input
-    and for the norm, and wraps every module's inputs and outputs in autograd Functions that torch binds
-    to their signature on each call: host work per parameter and per module, every step. The patches
-    give the same gradients and, up to rounding, the same norm (2 ranks: partitions with padding; several sub-groups) and bind
-    no signature in steady state. The ranks end right after ``engine.step()``, which deadlocked at exit
-    before ``xla_runtime._drain_before_exit``."""
+    """ZeRO-3's optimizer reads each gradient partition (a view of the flat gradient buffer) for its input and for
+    the norm, and wraps every module's inputs and outputs in autograd Functions that torch binds to their signature
+    on each call: host work per parameter and per module, every step. The patches give the same gradients and, up to
+    rounding, the same norm (2 ranks: partitions with padding; several sub-groups) and bind no signature in steady
+    state. The ranks end right after ``engine.step()``, which deadlocked at exit before
+    ``xla_runtime._drain_before_exit``."""
     import json
     from tests.multiproc import run_ranks
     for proc in run_ranks("tests.patches.test_zero:zero3_step_against_upstream", 2, env={"DS_ACCELERATOR": "xla"}):
