@@ -3,9 +3,10 @@
 ``python -m deepspeed_xla.bench.step_graphs`` runs one process per system; each trains TinyGPT a few steps for every
 (dtype, depth) in turn and counts that case's step graph with ``bench.cost``: the counts are deterministic, so the
 targets of docs/performance.md ('Cost of a step') can be asserted on them (tests/bench/test_cost.py).
-The floor is the bench's hand-written torch_xla loop (``torch.optim.AdamW``, no clipping); in bf16 it keeps fp32
-master weights as DeepSpeed does: bf16 weights and gradients, the optimizer on fp32 copies, the weights copied back.
-DeepSpeed runs the bench's config (``systems.ds_config``: its default ``gradient_clipping`` 1.0 included).
+The floor is the bench's hand-written torch_xla loop (``torch.optim.AdamW``), training as DeepSpeed does: the
+gradients clipped to ``--clip`` (DeepSpeed's default ``gradient_clipping``, 1.0), and in bf16 fp32 master weights:
+bf16 weights and gradients, the clipping and the optimizer on fp32 copies, the weights copied back. DeepSpeed runs
+the bench's config (``systems.ds_config``) with the same clipping.
 """
 import argparse
 import json
@@ -42,6 +43,8 @@ def _floor_steps(train, model, args: argparse.Namespace, dtype: str) -> None:
         if dtype == "bf16":
             for master, param in zip(masters, params):
                 master.grad = param.grad.float()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(masters, args.clip)
         optimizer.step()
         if dtype == "bf16":
             torch._foreach_copy_([p.data for p in params], masters)
@@ -53,7 +56,7 @@ def _floor_steps(train, model, args: argparse.Namespace, dtype: str) -> None:
 def _deepspeed_steps(train, model, args: argparse.Namespace, dtype: str, stage: int) -> None:
     import deepspeed
     from deepspeed_xla import xla_runtime
-    config = ds_config(stage, args.batch, args.zero)
+    config = ds_config(stage, args.batch, args.zero, clip=args.clip)
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -114,7 +117,7 @@ def count_systems(args: argparse.Namespace, workdir: Path) -> List[dict]:
 def _shared_flags(args: argparse.Namespace) -> List[str]:
     flags = ["--dtypes", *args.dtypes, "--layers", *map(str, args.layers), "--dim", str(args.dim), "--seq",
              str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab), "--steps", str(args.steps),
-             "--seed", str(args.seed)]
+             "--seed", str(args.seed), "--clip", str(args.clip)]
     if args.train_script:
         flags += ["--train-script", args.train_script]
     return flags + (["--zero", *(f"{k}={json.dumps(v)}" for k, v in args.zero.items())] if args.zero else [])
@@ -140,6 +143,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="the first creates the optimizer's state; later ones "
                                                                "run the step graph")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--clip", type=float, default=1.0, metavar="NORM",
+                        help="clip the gradients' global norm to this, the floor as DeepSpeed (0: off)")
     parser.add_argument("--zero", nargs="+", type=zero_option, default=[], metavar="KEY=JSON",
                         help="extra zero_optimization settings, e.g. reduce_bucket_size=5000")
     parser.add_argument("--train-script", help="scripts/train.py of a deepspeed-xla checkout (default: found)")
@@ -151,6 +156,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--graphs", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.zero = dict(args.zero)
+    if args.clip < 0:
+        parser.error("--clip must be at least 0 (0 turns clipping off)")
     if args.steps < 2:
         parser.error("--steps must be at least 2: the first step's graph also creates the optimizer's state")
     return args

@@ -123,7 +123,8 @@ def flops_per_token(dim: int, layers: int, vocab: int, seq: int) -> int:
 def ds_config(stage: int, batch: int, zero_options: Optional[dict] = None, feature: Optional[str] = None,
               outputs: Path = Path("."), accum: int = 1, clip: float = 0.0) -> dict:
     """A system's DeepSpeed config; ``feature`` adds its sections, writing under ``outputs``; ``zero_options``
-    (``--zero``) come last; ``accum`` micro-batches a step, gradients clipped to the global norm ``clip`` if set."""
+    (``--zero``) come last; ``accum`` micro-batches a step, gradients clipped to the global norm ``clip``, 0 for none:
+    always written, as DeepSpeed's own default clips to 1.0, which the floor would not do."""
     zero = {"stage": stage}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # partition every parameter, as a large model's are
@@ -133,8 +134,7 @@ def ds_config(stage: int, batch: int, zero_options: Optional[dict] = None, featu
     sections = {name: dict(section) for name, section in extra.config.items()}
     for name, key in extra.outputs:
         sections[name][key] = str(outputs / name)
-    clipping = {"gradient_clipping": clip} if clip else {}
-    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": accum, **clipping,
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": accum, "gradient_clipping": clip,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
             "zero_optimization": zero, "steps_per_print": 10 ** 9, **sections}
 

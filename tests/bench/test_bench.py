@@ -80,6 +80,15 @@ def test_feature_configs_and_flags():
     assert systems.train_flags(systems.parse_system("xla-zero1-2p")) == []
 
 
+def test_deepspeed_clips_as_the_floor_does():
+    """The floor clips only when ``--clip`` is given; DeepSpeed clips to 1.0 when its config says nothing, so the
+    config always says: the bench's default run compared DeepSpeed clipping against a floor that did not."""
+    from deepspeed.runtime.config import get_gradient_clipping
+    assert get_gradient_clipping({}) == 1.0  # why the bench's config must say it
+    assert get_gradient_clipping(systems.ds_config(2, 4)) == 0
+    assert get_gradient_clipping(systems.ds_config(2, 4, clip=0.5)) == 0.5
+
+
 def test_feature_outputs_go_to_the_systems_folder(tmp_path):
     """The monitors and the profiler write into the folder the bench gives the system, and the feature's own table
     is left as it was (the next system gets a fresh copy)."""

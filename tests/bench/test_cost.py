@@ -243,7 +243,7 @@ def test_deepspeed_adds_no_matmul_work(step_graph_cases):
 
 def test_elementwise_work_within_the_targets(step_graph_cases):
     """Over the floor's graph at the same dtype and depth, with step_guard's selects, the clipping (DeepSpeed's
-    default ``gradient_clipping`` 1.0; the floor does not clip) and the optimizer counted."""
+    default ``gradient_clipping`` 1.0, which the floor does too) and the optimizer counted."""
     work = step_graphs.ratios(step_graph_cases["default"], "elementwise_ops")
     missed = {case: round(ratio, 4) for case, ratio in work.items()
               if case[0] != "floor" and ratio > ELEMENTWISE_TARGETS[case[0]]}
