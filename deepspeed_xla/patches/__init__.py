@@ -3,12 +3,13 @@
 The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
 the XLA accelerator is DeepSpeed's. ``tests/patches/test_table.py`` fails when an upstream target changes.
 The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine`` (its checkpoints: ``checkpoints``),
-``zero`` (ZeRO-3's gradient reduce-scatter: ``zero3_reduce``; what ``deepspeed.initialize`` does once per parameter:
-``zero_startup``; its per-module hooks: ``zero3_hooks``), ``precision``, ``grad_checks``, ``config``, ``nvtx`` (its
-ranges, which XLA does not record), ``compiler``, ``launcher``, ``comm``, ``tensor_parallel``, the two places where
-the Hugging Face stack runs DeepSpeed (``accelerate``, ``trainer``) and transformers' ``hub_kernels``, which cannot
-serve XLA; ``registry`` defines ``Patch``, the supported releases and how a patch is checked and applied. Their
-figures: (docs/performance.md, 'Why the patches exist'). One change is not in the table because it must come before
+``zero`` (ZeRO-3's flat gradient buffer: ``zero3_grads``; its gradient reduce-scatter: ``zero3_reduce``; what
+``deepspeed.initialize`` does once per parameter: ``zero_startup``; its per-module hooks: ``zero3_hooks``),
+``precision``, ``grad_checks``, ``config``, ``nvtx`` (its ranges, which XLA does not record), ``compiler``,
+``launcher``, ``comm``, ``tensor_parallel``, the two places where the Hugging Face stack runs DeepSpeed
+(``accelerate``, ``trainer``) and transformers' ``hub_kernels``, which cannot serve XLA; ``registry`` defines
+``Patch``, the supported releases and how a patch is checked and applied. Their figures: (docs/performance.md, 'Why
+the patches exist'). One change is not in the table because it must come before
 its target's import: ``stablehlo`` (torch_xla's exporter, loaded at first use).
 """
 import sys
@@ -17,8 +18,8 @@ from importlib import metadata
 
 from deepspeed_xla.devices import wants_xla
 from deepspeed_xla.patches import (accelerate, checkpoints, comm, compiler, config, engine, grad_checks, hub_kernels,
-                                  launcher, nvtx, precision, tensor_parallel, trainer, zero, zero3_hooks,
-                                  zero3_reduce, zero_startup)
+                                  launcher, nvtx, precision, tensor_parallel, trainer, zero, zero3_grads,
+                                  zero3_hooks, zero3_reduce, zero_startup)
 # WRITTEN_FOR, VERSIONS, SUPPORTED, Patch, is_applied, source_digest and upstream_digest are this package's API too.
 from deepspeed_xla.patches.registry import (SUPPORTED, VERSIONS, WRITTEN_FOR, Patch, _apply, in_range, is_applied,
                                             label, releases, requirement, source_digest, upstream_digest)
@@ -78,12 +79,12 @@ PATCHES = [
       for method, digest in (("independent_gradient_partition_epilogue", "26ceef6d75b34b97"),
                              ("_finalize_cpu_offload_gradient_accumulation", "6228bc321fee7607"))),
     Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "partition_grads",
-          zero.stage3_partition_grads, "bb90de763f44e437",
+          zero3_grads.stage3_partition_grads, "bb90de763f44e437",
           reads=("partition_grads", "__init__", "_offload_grad_partition_at_boundary")),
     Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "independent_gradient_partition_epilogue",
-          zero.stage3_writes_grads_at_epilogue, "f1575b87b3d6c083"),
+          zero3_grads.stage3_writes_grads_at_epilogue, "f1575b87b3d6c083"),
     Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_prepare_fp32_grad_for_sub_group",
-          zero.stage3_fp32_grad_from_flat_buffer, "53f9b85163435a2b",
+          zero3_grads.stage3_fp32_grad_from_flat_buffer, "53f9b85163435a2b",
           reads=("_prepare_fp32_grad_for_sub_group", "independent_gradient_partition_epilogue", "__init__")),
     Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "get_grad_norm_direct",
           zero.stage3_grad_norm, "5ba2252d5f16b541"),

@@ -13,7 +13,7 @@ def fp16_optimizer_step(original):
     """bf16 without ZeRO (``FP16_Optimizer``): copy the updated fp32 master weights to the bf16 ones at once.
 
     Upstream copies them parameter by parameter, and each parameter is a view of the flat bf16 buffer:
-    torch_xla lowers each copy as a select over the whole buffer (as ``zero.stage3_partition_grads``).
+    torch_xla lowers each copy as a select over the whole buffer (as ``zero3_grads.stage3_partition_grads``).
     Copied whole afterwards, the flat buffer no longer depends on those copies, so they drop out of
     the graph; the parameters, still its views, read the same values.
     """
@@ -35,7 +35,7 @@ def bf16_optimizer_update_hp_grads(original):
     gradients to its flat fp32 gradient buffer with one addition.
 
     Upstream (``_update_hp_grad``) adds each parameter's gradient to its view of the buffer, after every
-    backward: one select over the whole buffer per parameter on XLA (as ``zero.stage3_partition_grads``).
+    backward: one select over the whole buffer per parameter on XLA (as ``zero3_grads.stage3_partition_grads``).
     """
 
     @functools.wraps(original)

@@ -41,7 +41,7 @@ def zero3_step_against_upstream():
         upstream_prepare(self, sub_group_id)
         upstream = self.fp32_partitioned_groups_flat[sub_group_id].grad.cpu()
         self.averaged_gradients[sub_group_id] = grads
-        found["spans"] += patches.zero._grad_buffer_span(self, sub_group_id) is not None
+        found["spans"] += patches.zero3_grads._grad_buffer_span(self, sub_group_id) is not None
         patched_prepare(self, sub_group_id)
         found["gradients"].append((upstream.tolist(), self.fp32_partitioned_groups_flat[sub_group_id].grad.tolist()))
 
