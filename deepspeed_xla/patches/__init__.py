@@ -9,8 +9,8 @@ The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine``
 ``launcher``, ``comm``, ``tensor_parallel``, the two places where the Hugging Face stack runs DeepSpeed
 (``accelerate``, ``trainer``) and transformers' ``hub_kernels``, which cannot serve XLA; ``registry`` defines
 ``Patch``, the supported releases and how a patch is checked and applied. Their figures: (docs/performance.md, 'Why
-the patches exist'). One change is not in the table because it must come before
-its target's import: ``stablehlo`` (torch_xla's exporter, loaded at first use).
+the patches exist'). One change is not in the table because it must come before its target's import: ``stablehlo``
+(torch_xla's exporter, loaded at first use).
 """
 import sys
 import warnings

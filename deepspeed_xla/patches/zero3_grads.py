@@ -9,6 +9,7 @@ import functools
 
 from deepspeed_xla.patches.zero import to_host_at_once
 
+
 def stage3_partition_grads(original):
     """ZeRO-3: a bucket's gradient partitions reach the flat gradient buffer in one update per backward.
 
