@@ -65,6 +65,8 @@ PATCHES = [
           zero.stage_1_and_2_has_overflow, "cadc27a13cb7e977"),
     Patch(_STAGE_1_AND_2, "DeepSpeedZeroOptimizer", "get_grad_norm_direct",
           zero.stage_1_and_2_grad_norm, "72af0993ad8cde2c"),
+    Patch(_STAGE_1_AND_2, "DeepSpeedZeroOptimizer", "scaled_global_norm",
+          zero.stage_1_and_2_converts_grads_once, "aa64e825f86b3aa5", reads=("scaled_global_norm", "step")),
     Patch(_STAGE_1_AND_2, "DeepSpeedZeroOptimizer", "async_inplace_copy_grad_to_fp32_buffer_from_gpu",
           zero.stage_1_and_2_offload_copy, "ac8267c47888ac4b",
           reads=("async_inplace_copy_grad_to_fp32_buffer_from_gpu", "copy_grads_in_partition",

@@ -1,6 +1,6 @@
 """Patches of DeepSpeed's ZeRO (``deepspeed.runtime.zero``): the gradient norms, ZeRO-3's autograd Functions and
-module registration, ZeRO-1/2's overflow, offloaded gradients, and ``zero.Init``'s move of parameters made on the
-host (ZeRO-3's flat gradient buffer: ``zero3_grads``).
+module registration, ZeRO-1/2's overflow, gradient conversion and offloaded gradients, and ``zero.Init``'s move of
+parameters made on the host (ZeRO-3's flat gradient buffer: ``zero3_grads``).
 
 ZeRO-3's autograd Functions pay torch's argument binding on every call: host work per module, every step. ZeRO-1/2
 all-reduce and read an overflow flag the device-side step guard already covers. With the optimizer offloaded, every
@@ -85,6 +85,38 @@ def stage_1_and_2_grad_norm(original):
         return total
 
     return get_grad_norm_direct
+
+
+def stage_1_and_2_converts_grads_once(original):
+    """ZeRO-1/2 with bf16 or fp16 gradients: each is converted to the fp32 partition's dtype once, for both the norm
+    and the flat partition the optimizer steps.
+
+    Upstream converts every gradient element twice in the step graph: per tensor in ``get_grad_norm_direct``
+    and again when ``step`` converts the flattened partition (docs/performance.md, 'Cost of a step'). Here the
+    partition's gradients are replaced by their converted copies before the norm (wraps ``scaled_global_norm``,
+    which ``step`` calls before flattening them); the conversion is exact, so every value is upstream's. A
+    preflattened partition (fp32 accumulation) and gradients off the device are left as they are.
+    """
+
+    @functools.wraps(original)
+    def scaled_global_norm(self, norm_type=2):
+        if not self.cpu_offload:
+            for index, master in enumerate(self.single_partition_of_fp32_groups):
+                gradients = self.averaged_gradients.get(index)
+                if type(gradients) is list and gradients and all(
+                        grad.device.type == "xla" and grad.dtype != master.dtype for grad in gradients):
+                    self.averaged_gradients[index] = [_converted(grad, master.dtype) for grad in gradients]
+        return original(self, norm_type)
+
+    return scaled_global_norm
+
+
+def _converted(grad, dtype):
+    """``grad`` as ``dtype``, still marked as ZeRO's padding where it was (the norm leaves padding out)."""
+    converted = grad.to(dtype)
+    if getattr(grad, "_zero_padding", False):
+        converted._zero_padding = True
+    return converted
 
 
 def _positional_apply(function_class) -> classmethod:

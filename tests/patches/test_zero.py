@@ -238,3 +238,67 @@ def test_zero2_norm_is_upstreams():
         assert first > 0 and second > 0
         assert first_mine == pytest.approx(first, rel=1e-6) and second_mine == pytest.approx(second, rel=1e-6)
         assert nan == [-1.0, -1.0]
+
+
+def zero_bf16_against_upstream() -> None:
+    """A rank: two bf16 ZeRO engines (the stage is ``sys.argv[1]``) trained alike, one with ZeRO-1/2's single gradient conversion and one
+    with upstream's ``scaled_global_norm``; their norms, fp32 weight partitions and Adam moments, bit for bit."""
+    import inspect
+    import json
+    import sys
+    import deepspeed
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    patched = DeepSpeedZeroOptimizer.scaled_global_norm
+    norm_dtypes = []
+    upstream_norm = DeepSpeedZeroOptimizer.get_grad_norm_direct
+
+    def grad_norm(self, gradients, params, norm_type=2):
+        norm_dtypes.append(str(gradients[0].dtype))
+        return upstream_norm(self, gradients, params, norm_type)
+
+    DeepSpeedZeroOptimizer.get_grad_norm_direct = grad_norm
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+              "bf16": {"enabled": True}, "gradient_clipping": 0.5, "zero_optimization": {"stage": int(sys.argv[1])}}
+    found = {}
+    for name, method in (("patched", patched), ("upstream", inspect.unwrap(patched))):
+        DeepSpeedZeroOptimizer.scaled_global_norm = method
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        norms = []
+        for step in range(3):
+            x = torch.randn(4, 7, generator=torch.Generator().manual_seed(10 * step + engine.global_rank))
+            engine.backward(engine(x.to(engine.device, torch.bfloat16)).float().pow(2).mean())
+            engine.step()
+            norms.append(float(engine.get_global_grad_norm()))
+        optimizer = engine.optimizer
+        state = optimizer.optimizer.state[optimizer.single_partition_of_fp32_groups[0]]
+        found[name] = {"norms": norms, "dtypes": norm_dtypes[:],
+                       "tensors": [t.cpu().tolist() for t in (optimizer.single_partition_of_fp32_groups[0],
+                                                              state["exp_avg"], state["exp_avg_sq"])]}
+        norm_dtypes.clear()
+        engine.destroy()
+    DeepSpeedZeroOptimizer.scaled_global_norm = patched
+    print(json.dumps({"patched": patched is not inspect.unwrap(patched), **found}))
+
+
+@pytest.mark.parametrize("stage", ["1", "2"])
+def test_zero_bf16_converts_each_gradient_once_with_upstreams_values(stage):
+    """bf16 ZeRO-1/2 convert each gradient to fp32 once (the norm and the optimizer's flat partition share it:
+    tests/bench/test_cost.py counts the step graph) and train exactly as upstream on 2 ranks, whose last partition is
+    padded and whose data differ."""
+    import json
+    from tests.multiproc import run_ranks
+    procs = run_ranks("tests.patches.test_zero:zero_bf16_against_upstream", 2, env={"DS_ACCELERATOR": "xla"},
+                      args=[stage])
+    ranks = []
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert found["patched"]
+        assert set(found["patched"]["dtypes"]) == {"torch.float32"}
+        assert set(found["upstream"]["dtypes"]) == {"torch.bfloat16"}
+        assert found["patched"]["norms"] == found["upstream"]["norms"]
+        assert found["patched"]["tensors"] == found["upstream"]["tensors"]
+        ranks.append(found["patched"]["tensors"][0])
+    assert ranks[0] != ranks[1]  # each rank holds its own partition
