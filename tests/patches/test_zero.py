@@ -241,8 +241,8 @@ def test_zero2_norm_is_upstreams():
 
 
 def zero_bf16_against_upstream() -> None:
-    """A rank: two bf16 ZeRO engines (the stage is ``sys.argv[1]``) trained alike, one with ZeRO-1/2's single gradient conversion and one
-    with upstream's ``scaled_global_norm``; their norms, fp32 weight partitions and Adam moments, bit for bit."""
+    """A rank: two bf16 ZeRO engines (the stage is ``sys.argv[1]``) trained alike, one with ZeRO-1/2's single gradient
+    conversion and one with upstream's ``scaled_global_norm``; their norms, fp32 weight partitions and Adam moments."""
     import inspect
     import json
     import sys
