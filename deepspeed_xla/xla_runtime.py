@@ -4,9 +4,10 @@ Keeping these calls together makes the import lazy everywhere else (``import tor
 seconds and writes ``PJRT_DEVICE``) and leaves a single module to port to a future TPU backend.
 """
 import atexit
+import contextlib
 import functools
 from importlib import metadata
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 
 def base_version(version: str) -> str:
@@ -152,6 +153,33 @@ def sync_live() -> None:
     """Execute every pending tensor of this process in one graph, without waiting for it; unlike ``sync`` it does
     not end the step (torch_xla's step marker also moves the RNG seed on)."""
     torch_xla()._XLAC._xla_sync_live_tensors("", [], wait=False)
+
+
+def set_eager(enabled: bool) -> None:
+    """Run every op as it is called, compiled alone and cached by shape (torch_xla's eager mode), instead of
+    tracing a graph up to the next sync: a deep model's whole-step graphs are never compiled."""
+    torch_xla()._XLAC._set_use_eager_mode(enabled)
+
+
+@contextlib.contextmanager
+def unexecuted() -> Iterator[None]:
+    """Trace the block's ops, and stop it at its first execution (a sync, or a value read on the host) before that
+    graph is compiled or run.
+
+    torch_xla saves the graph first (``XLA_SAVE_TENSORS_FILE``), so its HLO can be read without the compilation.
+    The rest of the block is skipped, and every tensor the graph would have computed is left without a value: drop
+    them before the next sync.
+    """
+    runtime = torch_xla()._XLAC
+    allowed = runtime._get_allow_execution()
+    runtime._set_allow_execution(False)
+    try:
+        yield
+    except RuntimeError as error:  # torch_xla's refusal, raised before it compiles
+        if "Unexpected execution" not in str(error):
+            raise
+    finally:
+        runtime._set_allow_execution(allowed)
 
 
 def set_seed(seed: int) -> None:

@@ -1,7 +1,12 @@
-"""The counters and byte counts the benchmark and the tests read from the XLA runtime, on real PJRT CPU tensors."""
+"""The counters and byte counts the benchmark and the tests read from the XLA runtime, and a graph stopped before it
+is compiled, on real PJRT CPU tensors."""
+import sys
+
 import torch
 
 from deepspeed_xla import xla_runtime
+from tests.conftest import REPO, clean_env
+from tests.multiproc import run_command
 
 
 def test_graph_counters_include_an_execution_still_running():
@@ -48,3 +53,40 @@ def test_sync_live_executes_every_pending_tensor_in_one_graph():
     assert xla_runtime.pending([loss, grad]) == [False, False]
     assert after["executions"] == before["executions"] + 1, (before, after)
     assert xla_runtime.get_seed() == seed
+
+
+STOPPED_BEFORE_COMPILING = """
+import sys
+import torch
+from deepspeed_xla import xla_runtime
+xla_runtime.torch_xla()
+x = torch.randn(8, 8, device=xla_runtime.device())
+xla_runtime.sync()
+before = xla_runtime.graph_counters()
+reached = False
+with xla_runtime.unexecuted():
+    y = (x @ x).sum()
+    xla_runtime.sync()
+    reached = True
+after = xla_runtime.graph_counters()
+print("reached", reached, "compiled", after["compilations"] - before["compilations"],
+      "executed", after["executions"] - before["executions"])
+try:
+    with xla_runtime.unexecuted():
+        raise RuntimeError("not torch_xla's")
+except RuntimeError as error:
+    print("raised", error)
+"""
+
+
+def test_unexecuted_stops_at_the_sync_after_saving_the_graph(tmp_path):
+    """``bench.step_graphs --no-compile``: the block ends at its sync, whose graph torch_xla saves but neither
+    compiles nor runs; an error of the block's own goes on. In a child process: the graph's tensors are left without
+    values."""
+    saved = tmp_path / "graphs"
+    proc = run_command([sys.executable, "-c", STOPPED_BEFORE_COMPILING], 300, cwd=REPO,
+                       env=clean_env(XLA_SAVE_TENSORS_FILE=str(saved), XLA_SAVE_TENSORS_FMT="hlo"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reached False compiled 0 executed 0" in proc.stdout and "raised not torch_xla's" in proc.stdout
+    (graphs,) = tmp_path.glob("graphs*")
+    assert graphs.read_text().split("## BEGIN_GRAPH")[-1].count(" dot(") == 1  # the stopped graph was saved

@@ -9,13 +9,15 @@ bf16 weights and gradients, the clipping and the optimizer on fp32 copies, the w
 the bench's config (``systems.ds_config``) with the same clipping.
 """
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import traceback
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from deepspeed_xla.bench.cost import saved_graphs, step_cost, step_graph
 from deepspeed_xla.bench.example import find_train_script, load_example
@@ -25,8 +27,9 @@ SYSTEMS = ("floor", "zero0", "zero1", "zero2", "zero3")
 DTYPES = ("fp32", "bf16")
 
 
-def _floor_steps(train, model, args: argparse.Namespace, dtype: str) -> None:
-    """The bench's floor loop; in bf16 with fp32 master weights (one cast of the gradients, one copy back)."""
+def _floor_step(train, model, args: argparse.Namespace, dtype: str) -> Callable[[int], None]:
+    """The bench's floor loop, one step; in bf16 with fp32 master weights (one cast of the gradients, one copy
+    back)."""
     import torch
     from deepspeed_xla import xla_runtime
     device = xla_runtime.device()
@@ -37,8 +40,9 @@ def _floor_steps(train, model, args: argparse.Namespace, dtype: str) -> None:
     else:
         masters = params
     optimizer = torch.optim.AdamW(masters, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
-    for step in range(args.steps):
-        tokens, targets = train.make_batch(step, 0, args.batch, args.seq, args.vocab)
+
+    def step(index: int) -> None:
+        tokens, targets = train.make_batch(index, 0, args.batch, args.seq, args.vocab)
         model(tokens.to(device), targets.to(device)).backward()
         if dtype == "bf16":
             for master, param in zip(masters, params):
@@ -50,49 +54,97 @@ def _floor_steps(train, model, args: argparse.Namespace, dtype: str) -> None:
             torch._foreach_copy_([p.data for p in params], masters)
         optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
-        xla_runtime.sync(wait=True)
+
+    return step
 
 
-def _deepspeed_steps(train, model, args: argparse.Namespace, dtype: str, stage: int) -> None:
+def _deepspeed_step(train, model, args: argparse.Namespace, dtype: str, stage: int) -> Callable[[int], None]:
     import deepspeed
-    from deepspeed_xla import xla_runtime
     config = ds_config(stage, args.batch, args.zero, clip=args.clip)
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    for step in range(args.steps):
-        tokens, targets = train.make_batch(step, 0, args.batch, args.seq, args.vocab)
+
+    def step(index: int) -> None:
+        tokens, targets = train.make_batch(index, 0, args.batch, args.seq, args.vocab)
         engine.backward(engine(tokens.to(engine.device), targets.to(engine.device)))
         engine.step()
+
+    return step
+
+
+def _saved_text(path: Path) -> str:
+    """What torch_xla saved so far to ``XLA_SAVE_TENSORS_FILE`` (it appends the device's ordinal to the name)."""
+    saved = next(path.parent.glob(path.name + "*"), None)
+    return saved.read_text() if saved else ""
+
+
+def _count_case(args: argparse.Namespace, train, dtype: str, layers: int) -> dict:
+    """Train a fresh TinyGPT of ``layers`` in ``dtype`` with this process's system, and count its last step's graph.
+
+    With ``--no-compile`` the steps before the last run op by op (torch_xla's eager mode), and the last is traced and
+    stopped at its sync, before its graph is compiled or run.
+    """
+    import torch
+    from deepspeed_xla import xla_runtime
+    before = len(_saved_text(Path(args.graphs)))
+    torch.manual_seed(args.seed)
+    xla_runtime.set_eager(args.no_compile)  # DeepSpeed's start-up too: as one lazy graph it takes longer
+    model = train.TinyGPT(args.vocab, args.dim, layers, seq=args.seq).to(xla_runtime.device())
+    if args.system == "floor":
+        step = _floor_step(train, model, args, dtype)
+    else:
+        step = _deepspeed_step(train, model, args, dtype, int(args.system[-1]))
+    for index in range(args.steps - 1):
+        step(index)
         xla_runtime.sync(wait=True)
-    engine.destroy()
+    xla_runtime.set_eager(False)
+    with xla_runtime.unexecuted() if args.no_compile else contextlib.nullcontext():
+        step(args.steps - 1)
+        xla_runtime.sync(wait=True)
+    graph = step_graph(saved_graphs(_saved_text(Path(args.graphs))[before:]))  # this case's graphs
+    return dict(step_cost(graph), system=args.system, dtype=dtype, layers=layers)
 
 
-def _saved_file(path: Path) -> Path:
-    """torch_xla appends the device's ordinal to ``XLA_SAVE_TENSORS_FILE``."""
-    return next(path.parent.glob(path.name + "*"))
+def _forked(run: Callable[..., dict], *args) -> dict:
+    """``run(*args)`` in a forked child, its result passed back as JSON.
+
+    No case may inherit another's state: ZeRO-3 keeps every model it trained alive to the end of the process (and
+    its linear function in place of torch's), and ``--no-compile`` leaves the tensors of the step it did not run
+    without values, which the next sync would read. Forking after the imports spares each case their seconds.
+    """
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read)
+            with os.fdopen(write, "w") as pipe:
+                json.dump(run(*args), pipe)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)  # no exit hooks: they would sync those tensors
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        text = pipe.read()
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code:
+        raise SystemExit(f"a case failed in its child process (exit code {code}): see the traceback above")
+    return json.loads(text)
 
 
 def worker(args: argparse.Namespace) -> None:
-    """This process's system at every (dtype, depth): each case's counts into ``args.out`` (JSON)."""
-    import torch
+    """This process's system at every (dtype, depth), each case in a child of its own: their counts into
+    ``args.out`` (JSON)."""
+    import deepspeed  # noqa: F401  (imported once, before the children)
     from deepspeed_xla import xla_runtime
     xla_runtime.torch_xla()
     train = load_example(str(find_train_script(args.train_script)))
-    saved = Path(args.graphs)
-    results, read = [], 0
-    for dtype in args.dtypes:
-        for layers in args.layers:
-            torch.manual_seed(args.seed)
-            model = train.TinyGPT(args.vocab, args.dim, layers, seq=args.seq).to(xla_runtime.device())
-            if args.system == "floor":
-                _floor_steps(train, model, args, dtype)
-            else:
-                _deepspeed_steps(train, model, args, dtype, int(args.system[-1]))
-            text = _saved_file(saved).read_text()
-            graph = step_graph(saved_graphs(text[read:]))  # this case's graphs
-            read = len(text)
-            results.append(dict(step_cost(graph), system=args.system, dtype=dtype, layers=layers))
+    results = [_forked(_count_case, args, train, dtype, layers) for dtype in args.dtypes for layers in args.layers]
     Path(args.out).write_text(json.dumps(results))
 
 
@@ -117,7 +169,7 @@ def count_systems(args: argparse.Namespace, workdir: Path) -> List[dict]:
 def _shared_flags(args: argparse.Namespace) -> List[str]:
     flags = ["--dtypes", *args.dtypes, "--layers", *map(str, args.layers), "--dim", str(args.dim), "--seq",
              str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab), "--steps", str(args.steps),
-             "--seed", str(args.seed), "--clip", str(args.clip)]
+             "--seed", str(args.seed), "--clip", str(args.clip)] + ["--no-compile"] * args.no_compile
     if args.train_script:
         flags += ["--train-script", args.train_script]
     return flags + (["--zero", *(f"{k}={json.dumps(v)}" for k, v in args.zero.items())] if args.zero else [])
@@ -142,6 +194,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3, help="the first creates the optimizer's state; later ones "
                                                                "run the step graph")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="count the last step's graph without compiling or running it: the steps before it run "
+                             "op by op (torch_xla's eager mode). The same graph, without a deep model's "
+                             "compilations")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--clip", type=float, default=1.0, metavar="NORM",
                         help="clip the gradients' global norm to this, the floor as DeepSpeed (0: off)")
