@@ -1,8 +1,10 @@
 """The step graphs of the floor and of DeepSpeed's ZeRO stages, counted in fp32 and bf16 at several depths.
 
 ``python -m deepspeed_xla.bench.step_graphs`` runs one process per system; each trains TinyGPT a few steps for every
-(dtype, depth) in turn and counts that case's step graph with ``bench.cost``: the counts are deterministic, so the
-targets of docs/performance.md ('Cost of a step') can be asserted on them (tests/bench/test_cost.py).
+(dtype, depth), each in a forked child, and counts that case's step graph with ``bench.cost``: the counts are
+deterministic, so the targets of docs/performance.md ('Cost of a step') can be asserted on them
+(tests/bench/test_cost.py). ``--no-compile`` counts the same graphs without compiling them, which is what deep models
+cost: ``python -m deepspeed_xla.bench.step_graphs --layers 2 16 --no-compile``.
 The floor is the bench's hand-written torch_xla loop (``torch.optim.AdamW``), training as DeepSpeed does: the
 gradients clipped to ``--clip`` (DeepSpeed's default ``gradient_clipping``, 1.0), and in bf16 fp32 master weights:
 bf16 weights and gradients, the clipping and the optimizer on fp32 copies, the weights copied back. DeepSpeed runs
@@ -89,7 +91,7 @@ def _count_case(args: argparse.Namespace, train, dtype: str, layers: int) -> dic
     from deepspeed_xla import xla_runtime
     before = len(_saved_text(Path(args.graphs)))
     torch.manual_seed(args.seed)
-    xla_runtime.set_eager(args.no_compile)  # DeepSpeed's start-up too: as one lazy graph it takes longer
+    xla_runtime.set_eager(args.no_compile)  # DeepSpeed's start-up too: one lazy graph of it compiles longer
     model = train.TinyGPT(args.vocab, args.dim, layers, seq=args.seq).to(xla_runtime.device())
     if args.system == "floor":
         step = _floor_step(train, model, args, dtype)
