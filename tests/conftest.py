@@ -92,15 +92,15 @@ def pytest_collection_modifyitems(config, items) -> None:
     """Work units of ``pytest -n`` (``--dist loadgroup``, as scripts/run_tests.sh runs the suite on two workers):
     a module's tests run on one worker, since its module fixtures launch the jobs they share; the modules using the
     ``trainings`` session fixture (each worker has its own) share one unit, unless a module names its own
-    ``xdist_group``. Launched runs (``tests/launched``, and ``tests/bench``'s benchmark processes) are scheduled
-    first: the units that take longest start before the short ones that fill the end."""
+    ``xdist_group``. Launched runs are scheduled first: the units that take longest start before the short ones that
+    fill the end."""
     uses_trainings = {item.module.__name__ for item in items if "trainings" in item.fixturenames}
     for item in items:
         if not item.get_closest_marker("xdist_group"):
             group = "trainings" if item.module.__name__ in uses_trainings else item.module.__name__
             item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: (item.module.__name__ not in uses_trainings,
-                                 not item.module.__name__.startswith(("tests.launched.", "tests.bench."))))
+                                 not item.module.__name__.startswith("tests.launched.")))
 
 
 @pytest.fixture(autouse=True)

@@ -251,6 +251,17 @@ def test_a_traced_step_graph_is_the_executed_one(step_graph_cases):
         assert traced[case] == executed, case
 
 
+def test_traced_floor_dot_flops_are_the_analytic_model(step_graph_cases):
+    """The floor's traced step graph is the whole step at every depth: its dot FLOPs are the analytic model's over
+    the matrices (the test above), which a step stopped before its end would fall short of."""
+    model = step_graphs.parse_args(["--dim", str(DIM)])
+    tokens = model.batch * model.seq
+    for row in step_graph_cases["traced"]:
+        if row["system"] == "floor":
+            matrices = row["layers"] * 12 * DIM * DIM + DIM * model.vocab
+            assert row["dot_flops"] == (6 * matrices + 12 * row["layers"] * model.seq * DIM) * tokens, row
+
+
 def test_deepspeed_adds_no_matmul_work(step_graph_cases):
     """Nor loses any: a traced step stopped before its end (a sync inside the step) would count fewer dots."""
     dots = step_graphs.ratios(step_graph_cases["traced"], "dot_flops")
