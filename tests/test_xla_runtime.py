@@ -56,7 +56,6 @@ def test_sync_live_executes_every_pending_tensor_in_one_graph():
 
 
 STOPPED_BEFORE_COMPILING = """
-import sys
 import torch
 from deepspeed_xla import xla_runtime
 xla_runtime.torch_xla()

@@ -75,10 +75,9 @@ def _deepspeed_step(train, model, args: argparse.Namespace, dtype: str, stage: i
     return step
 
 
-def _saved_text(path: Path) -> str:
-    """What torch_xla saved so far to ``XLA_SAVE_TENSORS_FILE`` (it appends the device's ordinal to the name)."""
-    saved = next(path.parent.glob(path.name + "*"), None)
-    return saved.read_text() if saved else ""
+def _saved_file(path: Path) -> Optional[Path]:
+    """torch_xla appends the device's ordinal to ``XLA_SAVE_TENSORS_FILE``; None before it saved a graph."""
+    return next(path.parent.glob(path.name + "*"), None)
 
 
 def _count_case(args: argparse.Namespace, train, dtype: str, layers: int) -> dict:
@@ -89,7 +88,8 @@ def _count_case(args: argparse.Namespace, train, dtype: str, layers: int) -> dic
     """
     import torch
     from deepspeed_xla import xla_runtime
-    before = len(_saved_text(Path(args.graphs)))
+    saved = _saved_file(Path(args.graphs))
+    before = saved.stat().st_size if saved else 0  # earlier cases' graphs, not read
     torch.manual_seed(args.seed)
     xla_runtime.set_eager(args.no_compile)  # DeepSpeed's start-up too: one lazy graph of it compiles longer
     model = train.TinyGPT(args.vocab, args.dim, layers, seq=args.seq).to(xla_runtime.device())
@@ -104,7 +104,9 @@ def _count_case(args: argparse.Namespace, train, dtype: str, layers: int) -> dic
     with xla_runtime.unexecuted() if args.no_compile else contextlib.nullcontext():
         step(args.steps - 1)
         xla_runtime.sync(wait=True)
-    graph = step_graph(saved_graphs(_saved_text(Path(args.graphs))[before:]))  # this case's graphs
+    with open(_saved_file(Path(args.graphs)), "rb") as graphs:
+        graphs.seek(before)
+        graph = step_graph(saved_graphs(graphs.read().decode()))  # this case's graphs
     return dict(step_cost(graph), system=args.system, dtype=dtype, layers=layers)
 
 

@@ -100,6 +100,12 @@ def test_module_without_entry_names_the_fix():
         cost.step_cost(REDUCTION)
 
 
+def _matrices_dot_flops(dim: int, layers: int, seq: int, vocab: int) -> int:
+    """TinyGPT's analytic FLOPs per token over its matrices alone: qkv, proj, the MLP's two and the head."""
+    matrices = layers * 12 * dim * dim + dim * vocab
+    return 6 * matrices + 12 * layers * seq * dim
+
+
 def test_floor_dot_flops_are_the_analytic_model(tmp_path):
     """``--cost`` on the floor (a hand-written torch_xla loop of TinyGPT): the step graph's dot FLOPs are the
     analytic 6·N + 12·L·T·d per token within 2 %, and exactly that model over the matrices alone (N counts biases
@@ -116,8 +122,7 @@ def test_floor_dot_flops_are_the_analytic_model(tmp_path):
     analytic = systems.flops_per_token(dim, layers, vocab, seq) * tokens
     assert counted["model_flops"] == analytic
     assert counted["dot_flops"] == pytest.approx(analytic, rel=0.02)
-    matrices = layers * 12 * dim * dim + dim * vocab  # qkv, proj, the MLP's two and the head
-    assert counted["dot_flops"] == (6 * matrices + 12 * layers * seq * dim) * tokens
+    assert counted["dot_flops"] == _matrices_dot_flops(dim, layers, seq, vocab) * tokens
     assert counted["collectives"] == [] and counted["bytes_read"] > 0
     estimate = counted["estimate"]
     assert estimate["tpu"] == "v6e" and math.isclose(
@@ -255,11 +260,10 @@ def test_traced_floor_dot_flops_are_the_analytic_model(step_graph_cases):
     """The floor's traced step graph is the whole step at every depth: its dot FLOPs are the analytic model's over
     the matrices (the test above), which a step stopped before its end would fall short of."""
     model = step_graphs.parse_args(["--dim", str(DIM)])
-    tokens = model.batch * model.seq
     for row in step_graph_cases["traced"]:
         if row["system"] == "floor":
-            matrices = row["layers"] * 12 * DIM * DIM + DIM * model.vocab
-            assert row["dot_flops"] == (6 * matrices + 12 * row["layers"] * model.seq * DIM) * tokens, row
+            per_token = _matrices_dot_flops(DIM, row["layers"], model.seq, model.vocab)
+            assert row["dot_flops"] == per_token * model.batch * model.seq, row
 
 
 def test_deepspeed_adds_no_matmul_work(step_graph_cases):
