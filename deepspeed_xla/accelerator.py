@@ -18,7 +18,9 @@ from deepspeed_xla import env_vars, xla_runtime
 from deepspeed_xla.comm import backends
 from deepspeed_xla.devices import DeviceType, current_device_type
 from deepspeed_xla.launch_env import check_launch_env, fill_single_process_env, is_deepspeed_runner, is_launcher_process
-from deepspeed_xla.process_setup import check_host_launch, prepare_process, process_count_problem, setup_process
+from deepspeed_xla.process_env import for_this_process, launch_environment
+from deepspeed_xla.process_setup import (check_host_launch, is_prepared, prepare_process, process_count_problem,
+                                         setup_process)
 
 _DEVICE_INDEX = 0
 
@@ -58,7 +60,6 @@ class XLA_Accelerator(DeepSpeedAccelerator):
         self._compile_backend = "openxla"
         self._generator = _XlaGenerator()
         self._peak_host_bytes = 0
-        self._device_known = False
 
     @property
     def device_type(self) -> DeviceType:
@@ -87,9 +88,8 @@ class XLA_Accelerator(DeepSpeedAccelerator):
         (imports torch_xla with its topology set; the runtime starts at the first tensor). Not in the launchers,
         which must never import torch_xla, nor while ``import deepspeed`` runs (it asks three times for
         defaults): a process that only imports deepspeed, such as ``ds_xla_report``, stays free of torch_xla."""
-        if not self._device_known and not is_launcher_process() and not _deepspeed_importing():
+        if not is_prepared() and not is_launcher_process() and not _deepspeed_importing():
             prepare_process(self.device_type)
-            self._device_known = True
         if device_index is None:
             return "xla"
         return self.current_device_name()
@@ -110,12 +110,14 @@ class XLA_Accelerator(DeepSpeedAccelerator):
         return f"xla:{_DEVICE_INDEX}"
 
     def device_count(self):
-        """Devices on this host; in a launched worker the processes started here (``LOCAL_SIZE``).
+        """Devices on this host, also after this process took one (``process_env``); in a launched worker the
+        processes started here (``LOCAL_SIZE``).
 
         Never starts PJRT: the ``deepspeed`` runner calls this to decide how many processes to start, and
         stops on none with "no GPU resources available"; here the runner says what is missing instead.
         """
-        count = env_vars.positive_int(os.environ, "LOCAL_SIZE") or self.device_type.local_device_count()
+        count = (env_vars.positive_int(os.environ, "LOCAL_SIZE") or
+                 self.device_type.local_device_count(launch_environment()))
         if count == 0 and is_deepspeed_runner():
             raise RuntimeError(f"deepspeed_xla: {process_count_problem(self.device_type, 1)}")
         return count
@@ -266,11 +268,12 @@ class XLA_Accelerator(DeepSpeedAccelerator):
 
     def communication_backend_name(self):
         """Registers the backend with torch.distributed on first use, which is the start of DeepSpeed's
-        ``init_distributed``. A process without a launcher becomes rank 0 of 1 here, not at ``import deepspeed``:
-        a parent that imports deepspeed and then spawns ranks must not hand them a one-rank world."""
-        if self._communication_backend_name is None:
+        ``init_distributed``. A process without a launcher becomes rank 0 of 1 here, not at ``import deepspeed``,
+        and for itself alone (``process_env``): the ranks a parent spawns get no one-rank world from it."""
+        with for_this_process():
             fill_single_process_env(os.environ)
-            check_launch_env()
+        check_launch_env()
+        if self._communication_backend_name is None:
             device_type = self.device_type
             self._communication_backend_name = backends.register_backend(device_type.comm_backend,
                                                                          device_type.host_addressable)

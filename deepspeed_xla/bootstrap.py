@@ -25,6 +25,9 @@ DISABLE_VARIABLE = "DS_XLA_DISABLE_HOOK"
 #: launcher gets it (``patches/launcher.py``): a command line is logged and every user of the host can read it.
 JOB_SECRET = "DS_XLA_JOB_SECRET"
 JOB_SECRET_FILE = "DS_XLA_JOB_SECRET_FILE"
+#: What a process wrote into its environment for itself alone (``process_env.py``), for the processes it starts to undo:
+#: JSON ``{"pid": <the writer>, "vars": {name: [value before, value written]}}`` (null: unset).
+PROCESS_ENV = "DS_XLA_PROCESS_ENV"
 
 _PATCHES_HOOK = ("deepspeed_xla.patches", "on_module_loaded")
 # module -> (our module, function) run right after that module's body executed. The patched modules
@@ -43,6 +46,7 @@ _AFTER_IMPORT = {
     "deepspeed.runtime.zero.linear": _PATCHES_HOOK,
     "deepspeed.runtime.zero.partition_parameters": _PATCHES_HOOK,
     "deepspeed.runtime.zero.parameter_offload": _PATCHES_HOOK,
+    "deepspeed.runtime.zero.partitioned_param_coordinator": _PATCHES_HOOK,
     "deepspeed.runtime.fp16.loss_scaler": _PATCHES_HOOK,
     "deepspeed.runtime.fp16.fused_optimizer": _PATCHES_HOOK,
     "deepspeed.runtime.fp16.unfused_optimizer": _PATCHES_HOOK,
@@ -148,8 +152,41 @@ def _secret_from_file() -> None:
         sys.stderr.write(f"[deepspeed_xla] cannot read this job's {JOB_SECRET} from {path}: {error}\n")
 
 
+def restore_inherited_env() -> None:
+    """Put back what the process that started this one wrote into its environment for itself alone (its device
+    topology, its rank of a one-process world): a child of a prepared process counts the host's devices and sets up
+    its own. Runs at interpreter start and in a fork child (``process_env``); the writer itself keeps its values."""
+    record = os.environ.get(PROCESS_ENV)
+    if record is None:
+        return
+    import json
+    try:
+        record = json.loads(record)
+        if record["pid"] == os.getpid():
+            return
+        changes = record["vars"].items()
+    except (ValueError, KeyError, TypeError, AttributeError):
+        changes = ()
+    del os.environ[PROCESS_ENV]
+    undo_changes(os.environ, changes)
+
+
+def undo_changes(env, changes) -> None:
+    """Each ``(name, (value before, value written))`` back to its value before, unless the variable holds another
+    value than the one written: that one was set since, for the children."""
+    for name, (before, written) in changes:
+        if env.get(name) != written:
+            continue
+        if before is None:
+            env.pop(name, None)
+        else:
+            env[name] = before
+
+
 def install() -> None:
-    """Install the finder once per interpreter (``DS_XLA_DISABLE_HOOK=1`` turns it off)."""
+    """Install the finder once per interpreter (``DS_XLA_DISABLE_HOOK=1`` turns it off); undo a parent's own
+    environment in any case."""
+    restore_inherited_env()
     if os.environ.get(DISABLE_VARIABLE) == "1":
         return
     _secret_from_file()

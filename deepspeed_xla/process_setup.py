@@ -5,7 +5,8 @@ runtime starts (in a launched worker as soon as torch_xla is imported: ``on_torc
 plain subprocess launching (DeepSpeed's launchers, torchrun, MPI, Slurm) gives one process per device. The
 launcher's own check of its host (``check_host_launch``) lives here too: it asks the same question without
 starting anything. ``DS_XLA_COMPILATION_CACHE`` gives each worker torch_xla's persistent compilation cache
-(``compilation_cache_dir``).
+(``compilation_cache_dir``). What the setup writes into the environment is this process's alone
+(``process_env``): the processes it starts set up their own devices.
 """
 import os
 from typing import Mapping, Optional, Sequence
@@ -13,6 +14,7 @@ from typing import Mapping, Optional, Sequence
 from deepspeed_xla import xla_runtime
 from deepspeed_xla.devices import DeviceType, current_device_type, wants_xla
 from deepspeed_xla.launch_env import ProcessLayout, is_launcher_process, launched, process_layout
+from deepspeed_xla.process_env import for_this_process
 
 
 COMPILATION_CACHE_ENV = "DS_XLA_COMPILATION_CACHE"
@@ -73,11 +75,12 @@ def prepare_process(device_type: Optional[DeviceType] = None) -> ProcessLayout:
     problem = process_count_problem(device_type, layout.local_size)
     if problem:
         raise RuntimeError(problem)
-    device_type.configure_process(layout.local_rank, layout.local_size, layout.node_rank, os.environ)
-    cache = compilation_cache_dir()
-    if cache:
-        xla_runtime.initialize_cache(cache)
-    device_type.prepare_runtime()
+    with for_this_process():
+        device_type.configure_process(layout.local_rank, layout.local_size, layout.node_rank, os.environ)
+        cache = compilation_cache_dir()
+        if cache:
+            xla_runtime.initialize_cache(cache)
+        device_type.prepare_runtime()
     _prepared = layout
     return layout
 
@@ -93,10 +96,29 @@ def setup_process(device_type: Optional[DeviceType] = None) -> ProcessLayout:
     device_type = device_type or current_device_type()
     layout = prepare_process(device_type)
     if layout.local_size > 1 and device_type.has_xla_collectives:
-        xla_runtime.initialize_multiprocess(layout.local_rank, layout.local_size)
+        with for_this_process():
+            xla_runtime.initialize_multiprocess(layout.local_rank, layout.local_size)
         _check_ordinal()
     _layout = layout
     return layout
+
+
+def is_prepared() -> bool:
+    """Whether ``prepare_process`` ran in this process (a fork child of a process whose runtime had not started
+    prepares its own)."""
+    return _prepared is not None
+
+
+def _forget_in_child() -> None:
+    """A fork child whose parent was prepared but had not started its runtime yet (a pool of ranks started by a
+    process that asked for its device) sets up its own device: its environment is its parent's launch environment
+    again (``process_env``). A child of a running runtime (a DataLoader worker) keeps the parent's answers."""
+    global _prepared, _layout
+    if not xla_runtime.is_runtime_initialized():
+        _prepared = _layout = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def on_torch_xla_loaded(module) -> None:

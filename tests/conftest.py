@@ -120,8 +120,10 @@ def _keeps_the_launch_environment():
 
 
 def _launch_variables() -> dict:
-    """Not XLA's own variables: importing torch_xla adds to ``XLA_FLAGS``."""
-    return {k: v for k, v in os.environ.items() if k.startswith("DS_") or k in _SCRUB}
+    """Not XLA's own variables: importing torch_xla adds to ``XLA_FLAGS``; nor the record of what this process set for
+    itself alone (``deepspeed_xla.process_env``), which grows when a test first uses the device."""
+    from deepspeed_xla.bootstrap import PROCESS_ENV
+    return {k: v for k, v in os.environ.items() if (k.startswith("DS_") or k in _SCRUB) and k != PROCESS_ENV}
 
 
 @pytest.fixture

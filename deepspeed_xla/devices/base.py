@@ -5,7 +5,8 @@ environment, the comm backend, dtypes, memory figures) is a method here. Modules
 never branch on the device type: they are handed this process's ``current_device_type()``.
 """
 from abc import ABC, abstractmethod
-from typing import Dict, List, MutableMapping, Optional
+import os
+from typing import Dict, List, Mapping, MutableMapping, Optional
 
 
 class DeviceType(ABC):
@@ -27,8 +28,9 @@ class DeviceType(ABC):
         """True when this host has such devices; must not start the XLA runtime."""
 
     @abstractmethod
-    def local_device_count(self) -> int:
-        """Devices on this host (= processes the launcher may start); must not start the runtime."""
+    def local_device_count(self, env: Mapping[str, str] = os.environ) -> int:
+        """Devices on this host (= processes the launcher may start), with the device variables of ``env``; must
+        not start the runtime."""
 
     def describe(self) -> str:
         """What this host has of this device type, in a few words for ``ds_xla_report``; never starts the runtime."""

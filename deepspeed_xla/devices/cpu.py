@@ -1,6 +1,6 @@
 """PJRT CPU: the development and CI device. No cross-process XLA collectives exist here."""
 import os
-from typing import MutableMapping
+from typing import Mapping, MutableMapping
 
 from deepspeed_xla import env_vars
 from deepspeed_xla.devices.base import DeviceType
@@ -15,9 +15,9 @@ class CpuDevice(DeviceType):
     def is_present(self) -> bool:
         return True
 
-    def local_device_count(self) -> int:
+    def local_device_count(self, env: Mapping[str, str] = os.environ) -> int:
         """``CPU_NUM_DEVICES`` if set (to run more processes than cores), else one per core."""
-        return env_vars.positive_int(os.environ, "CPU_NUM_DEVICES") or cpu_count()
+        return env_vars.positive_int(env, "CPU_NUM_DEVICES") or cpu_count()
 
     def describe(self) -> str:
         source = ("from CPU_NUM_DEVICES" if env_vars.positive_int(os.environ, "CPU_NUM_DEVICES")

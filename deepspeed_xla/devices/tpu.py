@@ -35,7 +35,7 @@ class TpuDevice(DeviceType):
     def is_present(self) -> bool:
         return self.local_device_count() > 0
 
-    def local_device_count(self) -> int:
+    def local_device_count(self, env: Mapping[str, str] = os.environ) -> int:
         """Chips on this host, from PCI (tpu-info); never the runtime."""
         return _pci_chips()[1]
 

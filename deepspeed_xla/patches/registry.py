@@ -39,6 +39,7 @@ _DEEPSPEED_FILES = {
     "deepspeed.runtime.zero.linear": "268ef26f394f2b3e",
     "deepspeed.runtime.zero.parameter_offload": "7fec7e04a5d00a56",
     "deepspeed.runtime.zero.partition_parameters": "c7866c302ef1a975",
+    "deepspeed.runtime.zero.partitioned_param_coordinator": "a43fd966c88dc369",
     "deepspeed.runtime.zero.stage3": "4ff3fdb4cbabaddf",
     "deepspeed.runtime.zero.stage_1_and_2": "752235af95d0de6f",
     "deepspeed.runtime.zero.utils": "3211114393b1a156",
@@ -138,10 +139,10 @@ def _owner(patch: Patch):
 def _function(owner, name: str):
     """The upstream function behind ``owner.name``, unwrapped; a property's getter."""
     declared = inspect.getattr_static(owner, name) if isinstance(owner, type) else None
-    return _unwrapped(declared.fget if isinstance(declared, property) else getattr(owner, name))
+    return unwrapped(declared.fget if isinstance(declared, property) else getattr(owner, name))
 
 
-def _unwrapped(function):
+def unwrapped(function):
     """``inspect.unwrap``, also through DeepSpeed's ``instrument_w_nvtx``, which holds the function in its closure
     without ``functools.wraps``: the digest would be of nvtx.py's wrapper, the same whatever the method became."""
     function = inspect.unwrap(function)

@@ -9,7 +9,7 @@ runs in the ``deepspeed`` launcher (``probe``).
 """
 import os
 from importlib import metadata
-from typing import List, MutableMapping, Optional, Tuple
+from typing import List, Mapping, MutableMapping, Optional, Tuple
 
 from deepspeed_xla import launch_env, xla_runtime
 from deepspeed_xla.devices.base import DeviceType
@@ -48,10 +48,10 @@ class CudaDevice(DeviceType):
     def is_present(self) -> bool:
         return self.local_device_count() > 0
 
-    def local_device_count(self) -> int:
+    def local_device_count(self, env: Mapping[str, str] = os.environ) -> int:
         """GPUs this process may use: the driver's list (else ``nvidia-smi -L``) narrowed by
         ``CUDA_VISIBLE_DEVICES``; neither CUDA nor XLA is initialized."""
-        return visible_gpu_count(host_gpu_count()[0], os.environ.get(self.visible_devices_env))
+        return visible_gpu_count(host_gpu_count()[0], env.get(self.visible_devices_env))
 
     def too_few_devices_hint(self) -> str:
         return f"or make more GPUs visible ({CHECK_GPUS}; CUDA_VISIBLE_DEVICES, if set, must name them)"
