@@ -11,14 +11,14 @@ ENGINES = 3
 
 
 def engines_one_after_another() -> None:
-    """Run by ``run_ranks``, one rank: ``sys.argv[1]`` engines of ZeRO stage ``sys.argv[2]``, each built from a fresh
+    """Run by ``run_ranks``, one rank: ``sys.argv[1]`` engines of ZeRO stage ``sys.argv[-1]``, each built from a fresh
     model, trained 2 steps and destroyed; the live device bytes before, during and after each, and each one's losses.
     A tensor the process keeps throughout makes "before" more than nothing."""
     import deepspeed
     import torch
     from deepspeed.runtime.zero import parameter_offload
     from deepspeed_xla import xla_runtime
-    count, stage = int(sys.argv[1]), int(sys.argv[2])
+    count, stage = int(sys.argv[1]), int(sys.argv[-1])
     device = deepspeed.get_accelerator().device_name(0)
     kept = torch.ones(100_000, device=device) * 2
     config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
@@ -74,3 +74,62 @@ def test_destroyed_engines_leave_no_device_memory(stage):
         assert all(engine["release_sets"] > 0 for engine in engines)  # the coordinator's own cache served the steps
     fresh = _run(1, stage)
     assert engines[-1]["losses"] == fresh[0]["losses"] == engines[0]["losses"]
+
+
+# Trainer.hyperparameter_search with optuna, one ZeRO-3 engine per trial from ``model_init``: on 2 processes, which
+# transformers supports when the Trainer's parallel mode is DISTRIBUTED (integration_utils.run_hp_search_optuna: rank 0
+# broadcasts each trial's parameters), as it is under DeepSpeed. Each rank records its live device bytes when a trial's
+# training begins (its engine built, the previous trial's destroyed by the Trainer's free_memory) and each trial's loss.
+SEARCH = """
+import json, sys
+sys.path.insert(0, sys.argv[-2])  # the launcher puts --local_rank first
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from hf_train import ExampleArguments, TokenSequences, build_model
+from deepspeed_xla import xla_runtime
+
+
+class Memory(TrainerCallback):
+    def __init__(self):
+        self.trials = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        xla_runtime.sync()
+        self.trials.append({"begin": xla_runtime.live_device_bytes(),
+                            "stage": self.trainer.model_wrapped.zero_optimization_stage()})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.trials[-1].setdefault("losses", []).append(logs["loss"])
+
+
+config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}}
+args = TrainingArguments(output_dir=sys.argv[-1], max_steps=3, per_device_train_batch_size=4, logging_steps=1,
+                         report_to="none", save_strategy="no", deepspeed=config, seed=7)
+example = ExampleArguments()
+memory = Memory()
+trainer = memory.trainer = Trainer(model_init=lambda trial=None: build_model(example), args=args, callbacks=[memory],
+                  train_dataset=TokenSequences(64, example.seq, example.vocab, seed=1),
+                  eval_dataset=TokenSequences(16, example.seq, example.vocab, seed=2))
+best = trainer.hyperparameter_search(
+    hp_space=lambda trial: {"learning_rate": trial.suggest_float("learning_rate", 1e-3, 1e-2, log=True)},
+    backend="optuna", n_trials=2, direction="minimize")
+with open(f"{sys.argv[-1]}/memory.rank{args.process_index}.json", "w") as out:
+    json.dump({"trials": memory.trials, "world_size": args.world_size}, out)
+"""
+
+
+def test_a_hyperparameter_search_gives_each_trial_the_first_trials_memory(tmp_path):
+    from tests.conftest import REPO
+    from tests.multiproc import launch_command, run_job
+    script = tmp_path / "search.py"
+    script.write_text(SEARCH)
+    cmd, env = launch_command([script, REPO / "scripts", tmp_path], "xla", num_procs=2)
+    run_job(cmd, env, tmp_path, timeout=600)
+    for rank in range(2):
+        found = json.loads((tmp_path / f"memory.rank{rank}.json").read_text())
+        first, second = found["trials"]
+        assert (found["world_size"], first["stage"], second["stage"]) == (2, 3, 3)
+        assert first["begin"] > 100_000 and len(first["losses"]) == len(second["losses"]) == 3, found
+        assert abs(second["begin"] - first["begin"]) <= 0.05 * first["begin"], found
