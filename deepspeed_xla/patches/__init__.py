@@ -2,10 +2,10 @@
 
 The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
 the XLA accelerator is DeepSpeed's. ``tests/patches/test_table.py`` fails when an upstream target changes.
-The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine`` (its checkpoints: ``checkpoints``),
-``zero`` (ZeRO-3's flat gradient buffer: ``zero3_grads``; its gradient reduce-scatter: ``zero3_reduce``; what
-``deepspeed.initialize`` does once per parameter: ``zero_startup``; its per-module hooks: ``zero3_hooks``; what it
-keeps of an engine after ``destroy()``: ``zero3_lifetime``),
+The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine`` (its checkpoints: ``checkpoints``;
+what it and ZeRO-3 keep of an engine after ``destroy()``: ``lifetime``), ``zero`` (ZeRO-3's flat gradient buffer:
+``zero3_grads``; its gradient reduce-scatter: ``zero3_reduce``; what ``deepspeed.initialize`` does once per
+parameter: ``zero_startup``; its per-module hooks: ``zero3_hooks``),
 ``precision``, ``grad_checks``, ``config``, ``nvtx`` (its ranges, which XLA does not record), ``compiler``,
 ``launcher``, ``comm``, ``tensor_parallel``, the two places where the Hugging Face stack runs DeepSpeed
 (``accelerate``, ``trainer``) and transformers' ``hub_kernels``, which cannot serve XLA; ``registry`` defines
@@ -19,8 +19,8 @@ from importlib import metadata
 
 from deepspeed_xla.devices import wants_xla
 from deepspeed_xla.patches import (accelerate, checkpoints, comm, compiler, config, engine, grad_checks, hub_kernels,
-                                  launcher, nvtx, precision, tensor_parallel, trainer, zero, zero3_grads,
-                                  zero3_hooks, zero3_lifetime, zero3_reduce, zero_startup)
+                                  launcher, lifetime, nvtx, precision, tensor_parallel, trainer, zero, zero3_grads,
+                                  zero3_hooks, zero3_reduce, zero_startup)
 # WRITTEN_FOR, VERSIONS, SUPPORTED, Patch, is_applied, source_digest and upstream_digest are this package's API too.
 from deepspeed_xla.patches.registry import (SUPPORTED, VERSIONS, WRITTEN_FOR, Patch, _apply, in_range, is_applied,
                                             label, releases, requirement, source_digest, upstream_digest)
@@ -107,10 +107,12 @@ PATCHES = [
     Patch("deepspeed.runtime.zero.partition_parameters", "", "print_rank_0", zero3_hooks.print_rank_0_when_asked,
           "bdf0d39499da2560"),
     Patch("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator",
-          "_PartitionedParameterCoordinator__params_to_release", zero3_lifetime.params_to_release_per_coordinator,
+          "_PartitionedParameterCoordinator__params_to_release", lifetime.params_to_release_per_coordinator,
           "a8a708d6d0c4b820"),
     Patch("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "destroy",
-          zero3_lifetime.destroy_forgets_the_model, "39f23d1836455dfa", reads=("destroy", "setup_zero_stage3_hooks")),
+          lifetime.destroy_forgets_the_model, "39f23d1836455dfa", reads=("destroy", "setup_zero_stage3_hooks")),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "destroy", lifetime.destroy_once, "fe3fb3b8173f63b1",
+          reads=("destroy", "__del__")),
     Patch("deepspeed.utils.nvtx", "", "enable_nvtx", nvtx.ranges_off, "c538ccdda7c8ea15",
           reads=("instrument_w_nvtx", )),
     Patch("deepspeed.runtime.comm.coalesced_collectives", "", "_torch_reduce_scatter_fn",

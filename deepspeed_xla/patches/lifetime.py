@@ -1,5 +1,6 @@
-"""What ZeRO-3 keeps of an engine after ``destroy()``: nothing, so several engines can be built one after another in
-one process (a notebook re-running its training cell, ``Trainer.hyperparameter_search``, a sweep script).
+"""What DeepSpeed keeps of an engine after ``destroy()``: nothing, and nothing it does when the destroyed engine is
+collected, so several engines can be built one after another in one process (a notebook re-running its training cell,
+``Trainer.hyperparameter_search``, a sweep script).
 
 Upstream keeps two process-wide references to every ZeRO-3 engine's model, and with it the model's parameters,
 gradients and optimizer state in device memory for the life of the process (about eight times the model: on a TPU,
@@ -12,6 +13,7 @@ import functools
 from deepspeed_xla.patches.registry import unwrapped
 
 _RELEASE_SETS = "_dsx_params_to_release"
+_DESTROYED = "_dsx_destroyed"
 
 
 def params_to_release_per_coordinator(original):
@@ -41,5 +43,21 @@ def destroy_forgets_the_model(original):
         from deepspeed.runtime.zero import parameter_offload
         stack = parameter_offload.FWD_MODULE_STACK
         stack[:] = [module for module in stack if module is not self.module]
+
+    return destroy
+
+
+def destroy_once(original):
+    """``DeepSpeedEngine.destroy``: a second call does nothing. ``DeepSpeedEngine.__del__`` destroys the engine again
+    when the garbage collector takes it, at whatever moment that is, and ZeRO's ``destroy`` waits for the device
+    (``synchronize``): on XLA that cuts the graph another engine is tracing then, which compiles graphs again (seen
+    in the last step of the next engine's run, 2 compilations)."""
+
+    @functools.wraps(original)
+    def destroy(self):
+        if self.__dict__.get(_DESTROYED):
+            return
+        original(self)
+        self.__dict__[_DESTROYED] = True
 
     return destroy
