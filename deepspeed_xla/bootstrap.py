@@ -52,6 +52,7 @@ _AFTER_IMPORT = {
     "deepspeed.runtime.fp16.unfused_optimizer": _PATCHES_HOOK,
     "deepspeed.launcher.runner": _PATCHES_HOOK,
     "deepspeed.launcher.multinode_runner": _PATCHES_HOOK,
+    "deepspeed.comm.comm": _PATCHES_HOOK,
     "deepspeed.comm.torch": _PATCHES_HOOK,
     "deepspeed.module_inject.layers": _PATCHES_HOOK,
     "deepspeed.utils.nvtx": _PATCHES_HOOK,

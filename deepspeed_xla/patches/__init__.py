@@ -155,6 +155,7 @@ PATCHES = [
           "f497cad4ad72df4f"),
     Patch("deepspeed.runtime.compiler", "", "compile", compiler.deferred_compile, "41ba17e70620eebc"),
     Patch("deepspeed.comm.torch", "TorchBackend", "init_device_mesh", comm.init_device_mesh, "6244115c6499f66b"),
+    Patch("deepspeed.comm.comm", "", "timers", comm.each_op_timed_alone, "2ecfcf03badad0ce", reads=("timed_op", )),
     Patch("deepspeed.module_inject.layers", "TensorParallel_Layer", "move", tensor_parallel.keeps_host_shards_on_host,
           "3335100d7facc177"),
     Patch("deepspeed.launcher.runner", "", "DEEPSPEED_ENVIRONMENT_PATHS", launcher.runner_env_paths, "d40ac82930b5b28f",

@@ -23,6 +23,7 @@ VERSIONS = {"deepspeed": WRITTEN_FOR, "torch_xla": "2.9.0"}
 SUPPORTED = {"transformers": ("5.23.0", "5.25.0"), "accelerate": ("1.15.0", "1.16.0"), "peft": ("0.21.2", "0.21.2"),
              "kernels": ("0.19.1", "0.19.1")}
 _DEEPSPEED_FILES = {
+    "deepspeed.comm.comm": "50c3c19844feb343",
     "deepspeed.comm.torch": "e1ed1e77862a4048",
     "deepspeed.launcher.multinode_runner": "888fe4888604b4cd",
     "deepspeed.launcher.runner": "956d554ea5c9b142",
