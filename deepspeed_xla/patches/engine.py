@@ -38,8 +38,13 @@ def configure_distributed_model(original):
         # tensors: drop the maps for the move and rebuild them (ids do not change) afterwards.
         debug.debug_clear_module_and_param_names()
         attributes = [(param, dict(param.__dict__)) for param in model.parameters()]
+        # A model that already served an engine is on the device: swapping its parameters again would be refused
+        # while that engine's optimizer still holds them (a second engine on the same model).
+        from deepspeed.accelerator import get_accelerator
+        device_type = get_accelerator().device_name()
+        moves = any(param.device.type != device_type for param, _ in attributes)
         try:
-            with keep_parameter_objects():
+            with keep_parameter_objects() if moves else contextlib.nullcontext():
                 return original(self, model)
         finally:
             for param, saved in attributes:
