@@ -165,14 +165,15 @@ def restore_inherited_env() -> None:
         record = json.loads(record)
         if record["pid"] == os.getpid():
             return
-        changes = record["vars"].items()
-    except (ValueError, KeyError, TypeError, AttributeError):
-        changes = ()
+        changes = [(name, (before, written)) for name, (before, written) in record["vars"].items()]
+    except (ValueError, KeyError, TypeError, AttributeError):  # not ours to read: drop it, start as given
+        changes = []
     del os.environ[PROCESS_ENV]
     undo_changes(os.environ, changes)
 
 
-def undo_changes(env, changes) -> None:
+def undo_changes(env: "MutableMapping[str, str]", changes: "Iterable[Tuple[str, Tuple[Optional[str], Optional[str]]]]"
+                 ) -> None:
     """Each ``(name, (value before, value written))`` back to its value before, unless the variable holds another
     value than the one written: that one was set since, for the children."""
     for name, (before, written) in changes:

@@ -73,6 +73,16 @@ def test_a_grandchild_starts_from_the_launch_environment_too(own_changes):
     assert json.loads(proc.stdout) == {"DSX_A": None, "DSX_B": "launcher's", "DSX_C": None}, proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("record", ["not json", '{"pid": 1}', '{"pid": 1, "vars": {"DSX_A": "no pair"}}'])
+def test_a_record_the_startup_hook_cannot_read_is_dropped(own_changes, record):
+    """The hook runs in every Python process: a record it cannot read must not stop the interpreter or the hook."""
+    code = SHOW.replace("print(", "import sys; print(any(type(f).__name__ == '_DeepSpeedFinder' for f in sys.meta_path), ")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, **{PROCESS_ENV: record}))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    assert proc.stdout.split(" ", 1) == ["True", json.dumps({"DSX_A": None, "DSX_B": "launcher's", "DSX_C": None}) + "\n"]
+
+
 # A process that asked its accelerator for the device (CALL), then starts workers the ways Python programs do; each
 # worker reports what it inherited and the host's device count, then sets up its device as rank r of n (as a launcher
 # would place it) and reports the topology it wrote.
