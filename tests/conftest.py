@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from deepspeed_xla.bootstrap import PROCESS_ENV
+
 # Tests compile PJRT CPU graphs at XLA's lowest backend optimization level, with XLA CPU's older
 # elemental emitters instead of its per-fusion MLIR emitters, and as one LLVM module instead of parallel
 # parts: the same HLO graphs, cheaper machine code (a bf16 run's gradient copies make hundreds of small
@@ -122,7 +124,6 @@ def _keeps_the_launch_environment():
 def _launch_variables() -> dict:
     """Not XLA's own variables: importing torch_xla adds to ``XLA_FLAGS``; nor the record of what this process set for
     itself alone (``deepspeed_xla.process_env``), which grows when a test first uses the device."""
-    from deepspeed_xla.bootstrap import PROCESS_ENV
     return {k: v for k, v in os.environ.items() if (k.startswith("DS_") or k in _SCRUB) and k != PROCESS_ENV}
 
 

@@ -12,7 +12,7 @@ import pytest
 from deepspeed_xla import process_env
 from deepspeed_xla.bootstrap import PROCESS_ENV
 from tests.conftest import clean_env
-from tests.devices.test_tpu import HOSTS, OUTPUTS, _fake_metadata
+from tests.devices.test_tpu import HOSTS, OUTPUTS, fake_metadata
 from tests.multiproc import LOSS_TOLERANCE, PARAM_TOLERANCE, on_both_accelerators, run_command, within
 
 SHOW = "import json, os; print(json.dumps({name: os.environ.get(name) for name in ('DSX_A', 'DSX_B', 'DSX_C')}))"
@@ -174,10 +174,10 @@ def test_children_of_a_prepared_tpu_process_set_up_their_own_chips(tmp_path, mon
     from torch_xla._internal import tpu
     expected = []
     for rank in range(4):
-        _fake_metadata(monkeypatch, "v4-8")
+        fake_metadata(monkeypatch, "v4-8")
         tpu.configure_topology(rank, 4)
         expected.append({name: os.environ[name] for name in OUTPUTS})
-    _fake_metadata(monkeypatch, "v4-8")
+    fake_metadata(monkeypatch, "v4-8")
     metadata = {name: os.environ[name] for name in os.environ if name.startswith("TPU_")}
     parent, workers = _run_children(tmp_path, "accelerator.device_name()", [(method, 4) for method in ALL],
                                     PJRT_DEVICE="TPU", **metadata)

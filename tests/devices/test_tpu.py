@@ -23,7 +23,7 @@ HOSTS = {
 }
 
 
-def _fake_metadata(monkeypatch, host):
+def fake_metadata(monkeypatch, host):
     accel_type, host_bounds, chips_per_host, _, hostnames, worker = HOSTS[host]
     for key in OUTPUTS + ("PJRT_LOCAL_PROCESS_RANK", "PJRT_LOCAL_PROCESS_COUNT"):
         monkeypatch.delenv(key, raising=False)
@@ -40,10 +40,10 @@ def test_process_env_equals_torch_xla(monkeypatch, host):
     from torch_xla._internal import tpu
     local_size = HOSTS[host][3]
     for local_rank in range(local_size):
-        _fake_metadata(monkeypatch, host)
+        fake_metadata(monkeypatch, host)
         tpu.configure_topology(local_rank, local_size)
         expected = {key: os.environ[key] for key in OUTPUTS}
-        _fake_metadata(monkeypatch, host)
+        fake_metadata(monkeypatch, host)
         ours = dict(os.environ)
         TpuDevice().configure_process(local_rank, local_size, node_rank=HOSTS[host][5], env=ours)
         assert {key: ours[key] for key in OUTPUTS} == expected, f"{host} local rank {local_rank}"
@@ -61,13 +61,13 @@ def test_stale_topology_variables_are_replaced_naming_each(monkeypatch, local_si
     torch_xla writes into a clean environment (``configure_topology``, or ``configure_one_chip_topology`` for a lone
     process), and the warning names each value it replaced."""
     from torch_xla._internal import tpu
-    _fake_metadata(monkeypatch, "v4-8")
+    fake_metadata(monkeypatch, "v4-8")
     if local_size == 1:
         tpu.configure_one_chip_topology()
     else:
         tpu.configure_topology(1, local_size)
     expected = {key: os.environ.get(key) for key in STALE}
-    _fake_metadata(monkeypatch, "v4-8")
+    fake_metadata(monkeypatch, "v4-8")
     env = dict(os.environ, **STALE)
     with pytest.warns(UserWarning) as warned:
         TpuDevice().configure_process(1 % local_size, local_size, 0, env)
@@ -79,14 +79,14 @@ def test_stale_topology_variables_are_replaced_naming_each(monkeypatch, local_si
 
 
 def test_each_rank_takes_its_chip_from_the_launchers_list(monkeypatch):
-    _fake_metadata(monkeypatch, "v6e-8")
+    fake_metadata(monkeypatch, "v6e-8")
     env = dict(os.environ, TPU_VISIBLE_CHIPS="4,5,6,7")
     TpuDevice().configure_process(2, 4, 0, env)
     assert env["TPU_VISIBLE_CHIPS"] == "6"
 
 
 def test_more_ranks_than_listed_chips_is_an_error(monkeypatch):
-    _fake_metadata(monkeypatch, "v6e-8")
+    fake_metadata(monkeypatch, "v6e-8")
     with pytest.raises(RuntimeError, match="--num_gpus 2"):
         TpuDevice().configure_process(2, 3, 0, dict(os.environ, TPU_VISIBLE_CHIPS="0,1"))
 

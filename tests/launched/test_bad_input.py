@@ -22,7 +22,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed_xla import xla_runtime
 from deepspeed_xla.devices.tpu import TpuDevice, one_chip_env
 from tests.conftest import REPO, VENV_BIN, clean_env
-from tests.devices.test_tpu import _fake_metadata
+from tests.devices.test_tpu import fake_metadata
 from tests.multiproc import free_port, last_error, run_command, run_python
 
 
@@ -170,10 +170,10 @@ def test_tpu_host_runs_one_process_per_chip():
 def test_single_tpu_process_takes_one_chip_like_torch_xla(monkeypatch):
     from torch_xla._internal import tpu
     keys = ("TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS")
-    _fake_metadata(monkeypatch, "v6e-8")
+    fake_metadata(monkeypatch, "v6e-8")
     tpu.configure_one_chip_topology()  # what xmp.spawn(nprocs=1) sets
     expected = {key: os.environ[key] for key in keys}
-    _fake_metadata(monkeypatch, "v6e-8")
+    fake_metadata(monkeypatch, "v6e-8")
     env = dict(os.environ)
     TpuDevice().configure_process(0, 1, 0, env)
     assert {key: env[key] for key in keys} == expected

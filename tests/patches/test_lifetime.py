@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from deepspeed_xla.patches.lifetime import _RELEASE_SETS
 from tests.multiproc import run_ranks
 
 ENGINES = 3
@@ -40,11 +41,10 @@ def engines_one_after_another() -> None:
             losses.append(loss.item())
         xla_runtime.sync()
         alive = xla_runtime.live_device_bytes()
-        release_sets = len(getattr(engine.optimizer, "parameter_offload", None) and
-                           engine.optimizer.parameter_offload.get_param_coordinator().__dict__.get(
-                               "_dsx_params_to_release", {}) or {})
+        offload = getattr(engine.optimizer, "parameter_offload", None)  # ZeRO-3's
+        release_sets = len(vars(offload.get_param_coordinator()).get(_RELEASE_SETS, {})) if offload else 0
         engine.destroy()
-        del engine, model, loss, x, _
+        del engine, model, loss, x, _, offload
         probe = kept + 1  # traced, not run: the collector's taking the engine must not run it
         gc.collect()
         left_pending = xla_runtime.pending([probe])[0]
