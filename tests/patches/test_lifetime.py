@@ -139,3 +139,103 @@ def test_a_hyperparameter_search_gives_each_trial_the_first_trials_memory(tmp_pa
         assert (found["world_size"], first["stage"], second["stage"]) == (2, 3, 3)
         assert first["begin"] > 100_000 and len(first["losses"]) == len(second["losses"]) == 3, found
         assert abs(second["begin"] - first["begin"]) <= 0.05 * first["begin"], found
+
+
+# A second engine on a model that already served one: a notebook re-running its cell, DeepSpeed's own
+# test_load_immediate_save (train, save, a new engine on the same model loads and saves at once), a sweep reusing its
+# model. The first engine is kept (rebound, so collectable) or destroyed first.
+SECOND_ENGINE_CASES = [f"zero{stage}-{dtype}-{first}" for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")
+                       for first in ("kept", "destroyed")] + [f"zero{stage}-bf16-save-load" for stage in (0, 1, 2, 3)]
+SECOND_ENGINE_OUT = "DSX_TEST_SECOND_ENGINE_OUT"
+SECOND_ENGINE_MODEL_BYTES = (32 * 256 + 256 + 256 * 32 + 32) * 4  # the least an engine's state holds
+
+
+def _live_bytes():
+    """The device bytes in use after the collector ran, on XLA (None on DeepSpeed's CPU accelerator)."""
+    import gc
+    import deepspeed
+    gc.collect()
+    if deepspeed.get_accelerator().device_name() != "xla":
+        return None
+    from deepspeed_xla import xla_runtime
+    xla_runtime.sync()
+    return xla_runtime.live_device_bytes()
+
+
+def second_engine(case: str) -> dict:
+    """Two engines, one after the other, on one model; each trains 2 steps on this rank's batches: their losses, the
+    device bytes in use after each one's steps, and what the first engine (when kept) says when trained again."""
+    import os
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    stage, dtype, first = case.split("-", 2)
+    save_dir = f"{os.environ[SECOND_ENGINE_OUT]}.{case}"
+    deepspeed.init_distributed()
+    rank = deepspeed.comm.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 32))
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": int(stage[-1])},
+              "bf16": {"enabled": dtype == "bf16"}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    found = {"losses": [], "live_bytes": []}
+    engine = None
+    for number in range(2):
+        earlier = engine
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        superseded = first != "destroyed" and int(stage[-1]) >= 2  # their gradient hooks are on the parameters
+        if earlier is not None and get_accelerator().device_name() == "xla" and superseded:
+            try:
+                earlier.backward(torch.zeros((), device=engine.device, requires_grad=True))
+            except RuntimeError as refused:
+                found["first_engine_says"] = str(refused)
+        earlier = None
+        if number and first == "save-load":
+            engine.load_checkpoint(save_dir, load_optimizer_states=False, load_lr_scheduler_states=False)
+            engine.save_checkpoint(save_dir)
+        for step in range(2):
+            data = torch.Generator().manual_seed(10 * step + rank)
+            x, y = torch.randn(4, 32, generator=data), torch.randn(4, 32, generator=data)
+            loss = (engine(x.to(engine.device, next(engine.parameters()).dtype)).float() - y.to(engine.device))
+            loss = loss.pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            found["losses"].append(loss.item())
+        del loss
+        found["live_bytes"].append(_live_bytes())
+        if first == "save-load" and not number:
+            engine.empty_partition_cache()
+            engine.save_checkpoint(save_dir)
+        if first == "destroyed":
+            engine.destroy()
+    return found
+
+
+def second_engine_rank() -> None:
+    from tests.multiproc import record_cases
+    record_cases(SECOND_ENGINE_CASES, second_engine, SECOND_ENGINE_OUT)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_second_engine_on_the_same_model_trains_as_on_the_cpu_accelerator(tmp_path, world_size):
+    """ZeRO 0–3, fp32 and bf16, the first engine kept or destroyed, and DeepSpeed's test_load_immediate_save: the
+    second engine's losses are the CPU accelerator's, and once it has trained, the device holds one engine's state
+    (the first one's released: destroyed, or at ZeRO-2/3 kept, which ``one_training_engine_per_model`` destroys, and
+    which then refuses to train on, saying why). The ranks' batches differ."""
+    from deepspeed_xla.patches.lifetime import SUPERSEDED
+    from tests.multiproc import LOSS_TOLERANCE, records_on_both_accelerators, within
+    xla, cpu = records_on_both_accelerators(f"{__name__}:second_engine_rank", world_size, tmp_path, SECOND_ENGINE_OUT)
+    for rank in range(world_size):
+        for case in SECOND_ENGINE_CASES:
+            mine, theirs = xla[rank][case], cpu[rank][case]
+            assert "failed" not in mine and "failed" not in theirs, (case, mine, theirs)
+            dtype = "bfloat16" if "bf16" in case else "float32"
+            assert within(mine["losses"], theirs["losses"], **LOSS_TOLERANCE[dtype]), (case, mine, theirs)
+            assert mine["losses"][0] != mine["losses"][2]  # the second engine trains on from the first's weights
+            one_engine, after_second = mine["live_bytes"]
+            kept = not case.endswith("destroyed")
+            if kept and int(case[4]) >= 2:
+                assert mine["first_engine_says"] == SUPERSEDED, (case, mine)
+            if not kept or int(case[4]) >= 2:  # ZeRO-0/1 leave a kept engine alone: both live, as upstream
+                assert after_second - one_engine < SECOND_ENGINE_MODEL_BYTES, (case, mine)
+    if world_size == 2:
+        assert xla[0]["zero2-fp32-kept"]["losses"] != xla[1]["zero2-fp32-kept"]["losses"]
