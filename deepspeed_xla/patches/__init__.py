@@ -16,11 +16,12 @@ the patches exist'). One change is not in the table because it must come before 
 import sys
 import warnings
 from importlib import metadata
+from typing import Optional
 
 from deepspeed_xla.devices import wants_xla
 from deepspeed_xla.patches import (accelerate, checkpoints, comm, compiler, config, engine, grad_checks, hub_kernels,
-                                  launcher, lifetime, nvtx, precision, tensor_parallel, trainer, zero, zero3_grads,
-                                  zero3_hooks, zero3_reduce, zero_startup)
+                                  launcher, lifetime, mixed_dtypes, nvtx, precision, tensor_parallel, trainer, zero,
+                                  zero3_grads, zero3_hooks, zero3_reduce, zero_startup)
 # WRITTEN_FOR, VERSIONS, SUPPORTED, Patch, is_applied, source_digest and upstream_digest are this package's API too.
 from deepspeed_xla.patches.registry import (SUPPORTED, VERSIONS, WRITTEN_FOR, Patch, _apply, in_range, is_applied,
                                             label, releases, requirement, source_digest, upstream_digest)
@@ -188,12 +189,18 @@ PATCHES = [
           "04fe5dc71b61e7e4"),
     Patch("transformers.training_args", "TrainingArguments", "main_process_first", trainer.barrier_by_parallel_mode,
           "81bfffffb9fa0d86"),
+    Patch("torch.nn.modules.linear", "Linear", "forward", mixed_dtypes.linear_refuses_mixed_dtypes,
+          "c0ab8f42cc3bf948"),
     # modeling_utils imports it by name, after this module has loaded (and been patched).
     Patch("transformers.integrations.hub_kernels", "", "_kernels_enabled", hub_kernels.disabled_on_xla,
           "89c31a84efa10f23", since="5.25.0"),
 ]
 
-PATCHED_MODULES = sorted({p.module for p in PATCHES})
+#: torch is imported before DeepSpeed chooses its accelerator, and with the same environment for either (the tests'
+#: fork server imports it once for both): its patches are applied when XLA is chosen (``registration``).
+AT_ACCELERATOR_CHOICE = "torch"
+#: The modules patched as they load (``bootstrap``'s startup hook).
+PATCHED_MODULES = sorted({p.module for p in PATCHES if p.distribution != AT_ACCELERATOR_CHOICE})
 
 
 def _xla_is_active(distribution: str) -> bool:
@@ -235,8 +242,9 @@ def on_module_loaded(module) -> None:
     warnings.warn(_outside_range(distribution, installed, sorted(set(changed))))
 
 
-def apply_all() -> None:
-    """Patch every target module that is already imported (the explicit ``register()`` route)."""
-    for name in PATCHED_MODULES:
+def apply_all(distribution: Optional[str] = None) -> None:
+    """Patch every target module that is already imported (of ``distribution``, else of any): the explicit
+    ``register()`` route, and torch's patches when XLA becomes DeepSpeed's accelerator."""
+    for name in sorted({p.module for p in PATCHES if distribution in (None, p.distribution)}):
         if name in sys.modules:
             on_module_loaded(sys.modules[name])

@@ -71,6 +71,14 @@ def refuse_partitioned_model_below_stage_3(original):
     return configure
 
 
+# What the graph cut after each method holds, for an error that names it (``compile_errors``).
+_GRAPH_ENDED_BY = {
+    "_take_model_step": ("optimizer step {step}'s graph (its forward, backward and optimizer update, traced since the "
+                         "step before)"),
+    "load_checkpoint": "the graph that load_checkpoint left to run (at optimizer step {step})",
+}
+
+
 def sync_after(original):
     """End the lazy graph when ``original`` returns.
 
@@ -88,8 +96,9 @@ def sync_after(original):
     @functools.wraps(original)
     def sync_after(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        from deepspeed_xla import xla_runtime
-        xla_runtime.sync(wait=False)
+        from deepspeed_xla import compile_errors, xla_runtime
+        with compile_errors.naming_refusals(_GRAPH_ENDED_BY[original.__name__].format(step=self.global_steps)):
+            xla_runtime.sync(wait=False)
         return result
 
     return sync_after

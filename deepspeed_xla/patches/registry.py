@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, NamedTuple, Tuple
 
 WRITTEN_FOR = "0.19.8"
 #: The release of each patched distribution the wrappers were written for, where one release is supported.
-VERSIONS = {"deepspeed": WRITTEN_FOR, "torch_xla": "2.9.0"}
+VERSIONS = {"deepspeed": WRITTEN_FOR, "torch": "2.9.0", "torch_xla": "2.9.0"}
 #: The lowest and the highest release of each Hugging Face distribution the patches are tested with
 #: (tests/launched/test_huggingface.py on the highest, test_huggingface_oldest.py on the lowest); setup.py's ``hf``
 #: extra and ``ds_xla_report`` are made from it. peft and kernels are not patched: kernels is what transformers 5.25
@@ -56,6 +56,7 @@ UPSTREAM_FILES: Dict[str, Dict[str, str]] = {
     "accelerate.state": {"1.15.0": "8af1fe9a518f46bc", "1.16.0": "31c217fab2d921bd"},
     "accelerate.utils.deepspeed": {"1.15.0": "82dfa3c0ea4eb51b", "1.16.0": "82dfa3c0ea4eb51b"},
     "transformers.integrations.hub_kernels": {"5.25.0": "15077cc8e541f659"},
+    "torch.nn.modules.linear": {"2.9.0": "63fb3cae2a1561fe"},
     "transformers.trainer": {"5.23.0": "da5a792ffed97570", "5.24.0": "87e1c73bc1263027", "5.25.0": "44ce713470a301ec"},
     "transformers.trainer_pt_utils": {release: "464c0711a0fd4260" for release in ("5.23.0", "5.24.0", "5.25.0")},
     "transformers.training_args": {"5.23.0": "fbdd5980f654c8c5", "5.24.0": "2dde33bfff94db1e",
