@@ -56,6 +56,7 @@ _AFTER_IMPORT = {
     "deepspeed.comm.torch": _PATCHES_HOOK,
     "deepspeed.module_inject.layers": _PATCHES_HOOK,
     "deepspeed.utils.nvtx": _PATCHES_HOOK,
+    "deepspeed.profiling.flops_profiler.profiler": _PATCHES_HOOK,
     "accelerate.state": _PATCHES_HOOK,
     "accelerate.utils.deepspeed": _PATCHES_HOOK,
     "transformers.trainer": _PATCHES_HOOK,

@@ -19,9 +19,9 @@ from importlib import metadata
 from typing import Optional
 
 from deepspeed_xla.devices import wants_xla
-from deepspeed_xla.patches import (accelerate, checkpoints, comm, compiler, config, engine, grad_checks, hub_kernels,
-                                  launcher, lifetime, mixed_dtypes, nvtx, precision, tensor_parallel, trainer, zero,
-                                  zero3_grads, zero3_hooks, zero3_reduce, zero_startup)
+from deepspeed_xla.patches import (accelerate, checkpoints, comm, compiler, config, engine, flops_profiler, grad_checks,
+                                  hub_kernels, launcher, lifetime, mixed_dtypes, nvtx, precision, tensor_parallel,
+                                  trainer, zero, zero3_grads, zero3_hooks, zero3_reduce, zero_startup)
 # WRITTEN_FOR, VERSIONS, SUPPORTED, Patch, is_applied, source_digest and upstream_digest are this package's API too.
 from deepspeed_xla.patches.registry import (SUPPORTED, VERSIONS, WRITTEN_FOR, Patch, _apply, in_range, is_applied,
                                             label, releases, requirement, source_digest, upstream_digest)
@@ -33,6 +33,7 @@ _HAS_INF_OR_NAN_DIGEST = "f2891c8e640be50c"
 _FP16_OPTIMIZER = "deepspeed.runtime.fp16.fused_optimizer"
 _UNFUSED_OPTIMIZER = "deepspeed.runtime.fp16.unfused_optimizer"
 _MULTINODE_RUNNER = "deepspeed.launcher.multinode_runner"
+_FLOPS_PROFILER = "deepspeed.profiling.flops_profiler.profiler"
 _STAGE_1_AND_2 = "deepspeed.runtime.zero.stage_1_and_2"
 
 PATCHES = [
@@ -189,6 +190,16 @@ PATCHES = [
           "04fe5dc71b61e7e4"),
     Patch("transformers.training_args", "TrainingArguments", "main_process_first", trainer.barrier_by_parallel_mode,
           "81bfffffb9fa0d86"),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_start_timers", flops_profiler.start_timers_on_the_device,
+          "bf462281b2ff8c29", reads=("_start_timers", "_forward_prologue")),
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_stop_timers", flops_profiler.stop_timers_on_the_device,
+          "3aa5e96f6018f802", reads=("_stop_timers", "step")),
+    *(Patch(_FLOPS_PROFILER, "FlopsProfiler", method, wrapper, digest, reads=reads)
+      for method, wrapper, digest, reads in (
+        ("start_profile", flops_profiler.no_module_timing, "f45cc8c6aa18a48f", ()),
+        ("get_total_duration", flops_profiler.forward_latency_from_the_engine, "33feb1505f18f6e4", ()),
+        ("print_model_profile", flops_profiler.module_latencies_not_measured, "619a854e2d70147c",
+         ("print_model_profile", "print_model_aggregated_profile")))),
     Patch("torch.nn.modules.linear", "Linear", "forward", mixed_dtypes.linear_refuses_mixed_dtypes,
           "c0ab8f42cc3bf948"),
     # modeling_utils imports it by name, after this module has loaded (and been patched).

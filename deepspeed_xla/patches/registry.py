@@ -28,6 +28,7 @@ _DEEPSPEED_FILES = {
     "deepspeed.launcher.multinode_runner": "888fe4888604b4cd",
     "deepspeed.launcher.runner": "956d554ea5c9b142",
     "deepspeed.module_inject.layers": "759279bfa77043a6",
+    "deepspeed.profiling.flops_profiler.profiler": "dc0e648289e4fd06",
     "deepspeed.runtime.bf16_optimizer": "12b5e15e30a6e4b4",
     "deepspeed.runtime.comm.coalesced_collectives": "7b545a32225b0315",
     "deepspeed.runtime.checkpoint_engine.utils": "dcf4c8dcbebc12d4",
