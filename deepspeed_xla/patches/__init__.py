@@ -155,6 +155,8 @@ PATCHES = [
           "f497cad4ad72df4f"),
     Patch("deepspeed.runtime.compiler", "", "compile", compiler.deferred_compile, "41ba17e70620eebc"),
     Patch("deepspeed.comm.torch", "TorchBackend", "init_device_mesh", comm.init_device_mesh, "6244115c6499f66b"),
+    Patch("torch._utils", "", "_rebuild_device_tensor_from_cpu_tensor", comm.rebuilt_xla_tensor_is_a_leaf,
+          "06da87e73e8e98c7", loaded_with="deepspeed.comm.torch"),
     Patch("deepspeed.comm.comm", "", "timers", comm.each_op_timed_alone, "2ecfcf03badad0ce", reads=("timed_op", )),
     Patch("deepspeed.module_inject.layers", "TensorParallel_Layer", "move", tensor_parallel.keeps_host_shards_on_host,
           "3335100d7facc177"),
@@ -191,7 +193,7 @@ PATCHES = [
           "89c31a84efa10f23", since="5.25.0"),
 ]
 
-PATCHED_MODULES = sorted({p.module for p in PATCHES})
+PATCHED_MODULES = sorted({p.hooked for p in PATCHES})
 
 
 def _xla_is_active(distribution: str) -> bool:
@@ -215,21 +217,25 @@ def _outside_range(distribution: str, installed: str, changed: list) -> str:
 
 
 def on_module_loaded(module) -> None:
-    """Startup-hook entry: patch ``module`` if the XLA accelerator is (or will be) DeepSpeed's accelerator. A release
-    outside the supported ones gets one warning, at its first patched module, naming the range and the patched
-    functions there that changed; a changed one in a module loaded later gets its own."""
-    targets = [patch for patch in PATCHES if patch.module == module.__name__]
-    if not targets or not _xla_is_active(targets[0].distribution):
-        return
-    distribution = targets[0].distribution
+    """Startup-hook entry: apply the patches ``module``'s load applies (``Patch.hooked``), each distribution's if the
+    XLA accelerator is (or will be) DeepSpeed's accelerator. A release outside the supported ones gets one warning, at
+    its first patched module, naming the range and the patched functions there that changed; a changed one in a module
+    loaded later gets its own."""
+    targets = [patch for patch in PATCHES if patch.hooked == module.__name__]
+    for distribution in dict.fromkeys(patch.distribution for patch in targets):
+        if _xla_is_active(distribution):
+            _apply_release(distribution, [patch for patch in targets if patch.distribution == distribution])
+
+
+def _apply_release(distribution: str, targets: list) -> None:
     installed = metadata.version(distribution)
     targets = [patch for patch in targets if patch.applies_to(installed)]
     if in_range(distribution, installed) or distribution in _REPORTED:
         for patch in targets:
-            _apply(module, patch)
+            _apply(patch)
         return
     _REPORTED.add(distribution)
-    changed = [label(patch) for patch in targets if _apply(module, patch, warn=False)]
+    changed = [label(patch) for patch in targets if _apply(patch, warn=False)]
     warnings.warn(_outside_range(distribution, installed, sorted(set(changed))))
 
 
