@@ -60,7 +60,7 @@ class Watchdog:
         self._waiting_since: Optional[float] = None  # set by the job's thread while it waits on peers
         self._waits = 0  # this rank's waits so far, to tell one long wait from two
         self._waiting_key: Optional[str] = None  # the wait published under waiting/<rank>, if any
-        self.collective = ""  # what the job's thread waits in (``hang_report.Wait``), set by watchdog.in_collective
+        self.collective = None  # what the job's thread waits in (a ``hang_report.Wait``), set by in_collective
         self._reported: set = set()  # the unexpected errors this thread printed
         self.pid = os.getpid()  # a forked child (a DataLoader worker) is not this rank
         self.sigterm = None  # this rank's ``signals.Sigterm``, once installed
@@ -139,7 +139,7 @@ class Watchdog:
         """Tell the store about a wait longer than one interval (which one, and in what), and clear it once it
         ended."""
         since = self._waiting_since
-        key = f"{self._waits} {self.collective}" if since is not None and time.monotonic() - since > self.interval \
+        key = f"{self._waits} {self.collective or ''}" if since is not None and time.monotonic() - since > self.interval \
             else None
         if key != self._waiting_key:
             self._store.set(f"waiting/{self.rank}", key or "")

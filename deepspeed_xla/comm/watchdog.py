@@ -135,7 +135,7 @@ def in_collective(wait: Optional[hang_report.Wait]):
     if _watchdog is None or wait is None:
         yield
         return
-    previous, _watchdog.collective = _watchdog.collective, str(wait)
+    previous, _watchdog.collective = _watchdog.collective, wait  # made text only when published: a thread's work
     try:
         yield
     finally:
@@ -170,7 +170,7 @@ def explain_failure(error: Exception) -> NoReturn:
         _watchdog.stop_job(found)
     if not busy and waits and _watchdog.collective:
         waits = {rank: hang_report.Wait.parse(wait) for rank, wait in waits.items()}
-        waits[_watchdog.rank] = hang_report.Wait.parse(_watchdog.collective)
+        waits[_watchdog.rank] = _watchdog.collective
         _watchdog.stop_job(f"{hang_report.report(waits, _watchdog.rank, _watchdog.collective_timeout, TIMEOUT_ENV)} "
                            f"{error}")
     if busy:

@@ -1,4 +1,5 @@
-"""Every run-time change to DeepSpeed internals, in one table, each guarded by the version it was written for.
+"""Every run-time change to DeepSpeed internals (and one to torch's, where DeepSpeed's object collectives meet XLA
+tensors: ``comm``), in one table, each guarded by the version it was written for.
 
 The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
 the XLA accelerator is DeepSpeed's. ``tests/patches/test_table.py`` fails when an upstream target changes.
