@@ -139,8 +139,8 @@ class Watchdog:
         """Tell the store about a wait longer than one interval (which one, and in what), and clear it once it
         ended."""
         since = self._waiting_since
-        key = f"{self._waits} {self.collective or ''}" if since is not None and time.monotonic() - since > self.interval \
-            else None
+        long = since is not None and time.monotonic() - since > self.interval
+        key = f"{self._waits} {self.collective or ''}" if long else None
         if key != self._waiting_key:
             self._store.set(f"waiting/{self.rank}", key or "")
             self._waiting_key = key
