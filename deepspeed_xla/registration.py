@@ -23,8 +23,6 @@ def on_real_accelerator_loaded(module) -> None:
         from deepspeed_xla.accelerator import XLA_Accelerator
         module.ds_accelerator = XLA_Accelerator()
         os.environ.setdefault("DS_ACCELERATOR", ACCELERATOR_NAME)
-        from deepspeed_xla import patches
-        patches.apply_all(patches.AT_ACCELERATOR_CHOICE)
         if not is_launcher_process():  # at start-up: scripts read LOCAL_RANK while parsing their arguments
             fill_scheduler_env(os.environ)
 

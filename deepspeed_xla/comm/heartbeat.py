@@ -60,6 +60,7 @@ class Watchdog:
         self._waiting_since: Optional[float] = None  # set by the job's thread while it waits on peers
         self._waits = 0  # this rank's waits so far, to tell one long wait from two
         self._waiting_key: Optional[str] = None  # the wait published under waiting/<rank>, if any
+        self.collective = None  # what the job's thread waits in (a ``hang_report.Wait``), set by in_collective
         self._reported: set = set()  # the unexpected errors this thread printed
         self.pid = os.getpid()  # a forked child (a DataLoader worker) is not this rank
         self.sigterm = None  # this rank's ``signals.Sigterm``, once installed
@@ -135,9 +136,11 @@ class Watchdog:
         return None
 
     def _publish_waiting(self) -> None:
-        """Tell the store about a wait longer than one interval, and clear it once it ended."""
+        """Tell the store about a wait longer than one interval (which one, and in what), and clear it once it
+        ended."""
         since = self._waiting_since
-        key = f"{self._waits}" if since is not None and time.monotonic() - since > self.interval else None
+        long = since is not None and time.monotonic() - since > self.interval
+        key = f"{self._waits} {self.collective or ''}" if long else None
         if key != self._waiting_key:
             self._store.set(f"waiting/{self.rank}", key or "")
             self._waiting_key = key
@@ -158,6 +161,10 @@ class Watchdog:
         else:  # a rank that has not registered yet: reading its key would wait for it
             waits = [self._store.get(key).decode() if self._store.check([key]) else "" for key in keys]
         return {rank: wait for rank, wait in zip(others, waits) if wait and self._running(rank)}
+
+    def waits(self) -> Dict[int, str]:
+        """What each other running rank that has published a wait waits in (``hang_report.Wait`` as text)."""
+        return {rank: wait.partition(" ")[2] for rank, wait in self._waiting_ranks().items()}
 
     def busy_ranks(self) -> list:
         """The other ranks that are running and not waiting on their peers: what a wait that timed out waited

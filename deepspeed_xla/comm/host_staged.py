@@ -16,14 +16,15 @@ members check that they pass it tensors of the same dtypes and sizes (``agreemen
 import functools
 import os
 from datetime import timedelta
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, ProcessGroup
 
 from deepspeed_xla.comm import accounting, host_buffers, staging, watchdog
-from deepspeed_xla.comm.agreement import Agreement, signature
+from deepspeed_xla.comm.agreement import Agreement, describe, signature
+from deepspeed_xla.comm.hang_report import Wait
 from deepspeed_xla.comm.work import ISSUED, HostWork, PendingWork, completed_work as _done, wait_all
 
 BACKEND_NAME = "xla_host"
@@ -80,6 +81,17 @@ class HostStagedProcessGroup(ProcessGroup):
         super().__init__(rank, size)
         self._gloo = _gloo_group(store, rank, size, timeout, connect_on_first_use)
         self._agreement = Agreement(self._gloo, rank, size)
+        self._global_ranks: Optional[Tuple[int, ...]] = None
+
+    def wait_in(self, op: str) -> Wait:
+        """What a rank waiting in collective ``op`` (its signature) of this group waits in: the hang report's words.
+        torch registers this object as the group itself (``_world.pg_group_ranks``), once it is built."""
+        if self._global_ranks is None:
+            try:
+                self._global_ranks = tuple(dist.get_process_group_ranks(self))
+            except (KeyError, RuntimeError, ValueError):  # not registered yet: during torch's own set-up
+                return Wait(op, ())
+        return Wait(op, self._global_ranks)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -99,14 +111,14 @@ class HostStagedProcessGroup(ProcessGroup):
         """Before a collective runs: raises unless every member passes the same (``agreement``)."""
         self._agreement.agree(signature_)
 
-    def _start(self, inputs, outputs, call) -> HostWork:
-        """Run the issued collectives, then stage ``inputs`` and start ``call`` (sends and receives)."""
+    def _start(self, inputs, outputs, call, op: str) -> HostWork:
+        """Run the issued collectives, then stage ``inputs`` and start ``call`` (sends and receives: ``op``)."""
         ISSUED.run()
-        return self._launch(inputs, staging.to_host(inputs), outputs, call)
+        return self._launch(inputs, staging.to_host(inputs), outputs, call, collective=self.wait_in(op))
 
-    def _launch(self, inputs, host_in, outputs, call, in_place: bool = True) -> HostWork:
+    def _launch(self, inputs, host_in, outputs, call, in_place: bool = True, collective=None) -> HostWork:
         """Start ``call(host_in, host_out)`` on gloo, ``host_in`` being ``inputs`` staged; wait writes
-        ``outputs`` back.
+        ``outputs`` back; ``collective``: what waiting on it waits in, if not the running collective.
 
         An output that is also an input starts from its staged data with ``in_place``, else it gets a
         host buffer of its own; pure outputs get fresh host buffers. ``call`` returns the gloo Work, or a
@@ -126,7 +138,7 @@ class HostStagedProcessGroup(ProcessGroup):
             works = call(host_in, host_out)
         except RuntimeError as error:  # gloo refuses at once to start on a connection a dead peer closed
             watchdog.explain_failure(error)
-        return HostWork(works, outputs, host_out)
+        return HostWork(works, outputs, host_out, collective)
 
     def _run(self, inputs, outputs, call, signature_: str, in_place: bool = True) -> dist.Work:
         """Issue a collective; it runs when waited on (``work.Issued``). ``signature_``: what every member passes it
@@ -266,17 +278,21 @@ class HostStagedProcessGroup(ProcessGroup):
 
     # point to point: left running, or two ranks that both isend before they irecv would deadlock
     def send(self, tensors, dst, tag=0):
-        return self._start(tensors, [], lambda i, _: self._gloo.send(i, dst, tag))
+        return self._start(tensors, [], lambda i, _: self._gloo.send(i, dst, tag), f"send(to {dst}) "
+                           f"{describe(tensors)}")
 
     def recv(self, tensors, src, tag=0):
-        return self._start([], tensors, lambda _, o: self._gloo.recv(o, src, tag))
+        return self._start([], tensors, lambda _, o: self._gloo.recv(o, src, tag), f"recv(from {src}) "
+                           f"{describe(tensors)}")
 
     def recv_anysource(self, tensors, tag=0):
-        return self._start([], tensors, lambda _, o: self._gloo.recv_anysource(o, tag))
+        return self._start([], tensors, lambda _, o: self._gloo.recv_anysource(o, tag), f"recv(from any) "
+                           f"{describe(tensors)}")
 
     def barrier(self, opts=None):
         ISSUED.run()
-        wait_all(self._gloo.barrier(opts or dist.BarrierOptions()))
+        with watchdog.in_collective(self.wait_in("barrier")):
+            wait_all(self._gloo.barrier(opts or dist.BarrierOptions()))
         return _done()
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):

@@ -7,7 +7,8 @@ own host. So the first process group of a rank (``watched``) starts its heartbea
 an exception hook that publishes an uncaught exception as the job's failure (``failure``), an ``os._exit`` that
 marks the rank done, and a SIGTERM handler that tells the peers (``signals``), or, when the user asked for a
 checkpoint on SIGTERM, makes every rank save one first (``preemption``). A collective that fails names the failed
-rank (``explain_failure``).
+rank (``explain_failure``); one that times out while every rank waits, each in another collective, stops the job
+with the collective each rank waits in (``in_collective``, ``hang_report``).
 
 The two timeouts are apart (``timeouts``): the collective timeout is the process group's (``DS_XLA_COMM_TIMEOUT``
 overrides it), the heartbeat timeout ``DS_XLA_HEARTBEAT_TIMEOUT`` (60 s by default).
@@ -21,7 +22,7 @@ import sys
 from datetime import timedelta
 from typing import Callable, NoReturn, Optional
 
-from deepspeed_xla.comm import failure
+from deepspeed_xla.comm import failure, hang_report
 from deepspeed_xla.comm.authentication import same_secret
 from deepspeed_xla.comm.failure import EXIT_CODE, TERMINATED_EXIT_CODE
 from deepspeed_xla.comm.heartbeat import Watchdog, store_lost
@@ -30,7 +31,7 @@ from deepspeed_xla.comm.signals import Sigterm
 from deepspeed_xla.comm.timeouts import HEARTBEAT_ENV, TIMEOUT_ENV, comm_timeout, heartbeat_timeout
 
 __all__ = ["EXIT_CODE", "TERMINATED_EXIT_CODE", "TIMEOUT_ENV", "HEARTBEAT_ENV", "comm_timeout", "start", "waiting",
-           "watched", "explain_failure", "checkpoint_on_sigterm", "stop_after_checkpoint"]
+           "in_collective", "watched", "explain_failure", "checkpoint_on_sigterm", "stop_after_checkpoint"]
 
 _EXPLAINED = "_deepspeed_xla_explained"  # set on the errors explain_failure raises
 
@@ -128,6 +129,19 @@ def waiting():
     return _watchdog.waiting() if _watchdog is not None else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def in_collective(wait: Optional[hang_report.Wait]):
+    """Around a collective this rank runs: what its waits are in, for the report of a hang (None: unchanged)."""
+    if _watchdog is None or wait is None:
+        yield
+        return
+    previous, _watchdog.collective = _watchdog.collective, wait  # made text only when published: a thread's work
+    try:
+        yield
+    finally:
+        _watchdog.collective = previous
+
+
 def watched(create_group: Callable) -> Callable:
     """A torch.distributed backend creator whose groups use the collective timeout; the first one (the
     world's) starts this process's watchdog."""
@@ -148,12 +162,17 @@ def explain_failure(error: Exception) -> NoReturn:
     if _watchdog is None or getattr(error, _EXPLAINED, False):
         raise error
     try:
-        busy = _watchdog.busy_ranks()
+        busy, waits = _watchdog.busy_ranks(), _watchdog.waits()  # before the search: the other waits may time out
         found = _watchdog.find_failure()
     except (RuntimeError, OSError) as lost:  # the store went with its process, rank 0
         _watchdog.stop_job(store_lost(lost))
     if found:
         _watchdog.stop_job(found)
+    if not busy and waits and _watchdog.collective:
+        waits = {rank: hang_report.Wait.parse(wait) for rank, wait in waits.items()}
+        waits[_watchdog.rank] = _watchdog.collective
+        _watchdog.stop_job(f"{hang_report.report(waits, _watchdog.rank, _watchdog.collective_timeout, TIMEOUT_ENV)} "
+                           f"{error}")
     if busy:
         explained = RuntimeError(
             f"rank {busy[0]} did not join the collective that rank {_watchdog.rank} waited in for {TIMEOUT_ENV}="

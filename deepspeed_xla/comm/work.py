@@ -71,10 +71,13 @@ class Issued:
         ops, self.ops, self.read, self.written = self.ops, [], set(), set()
         try:
             for group in dict.fromkeys(op.group for op in ops):
-                group.announce([op.signature for op in ops if op.group is group])
+                signatures = [op.signature for op in ops if op.group is group]
+                with watchdog.in_collective(group.wait_in(signatures[0])):
+                    group.announce(signatures)
             staged = iter(staging.to_host([t for op in ops for t in op.inputs]))
             for op in ops:
-                op.run([next(staged) for _ in op.inputs])
+                with watchdog.in_collective(op.group.wait_in(op.signature)):
+                    op.run([next(staged) for _ in op.inputs])
         except BaseException as error:
             for op in ops:
                 if not op.done:
@@ -128,15 +131,17 @@ class PendingWork(dist.Work):
 
 
 class HostWork(dist.Work):
-    """A gloo op on host buffers; ``wait`` finishes it and writes the results into the XLA tensors."""
+    """A gloo op on host buffers; ``wait`` finishes it and writes the results into the XLA tensors. ``collective``:
+    what its wait is in, when not the collective running it (a send or receive, waited on by the caller)."""
 
-    def __init__(self, works, outputs: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor]):
+    def __init__(self, works, outputs: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor], collective=None):
         super().__init__()
-        self._works, self._outputs, self._hosts = works, list(outputs), list(hosts)
+        self._works, self._outputs, self._hosts, self._collective = works, list(outputs), list(hosts), collective
 
     def wait(self, timeout=None) -> bool:
         """``timeout`` is the group's, as gloo applies it."""
-        wait_all(self._works)
+        with watchdog.in_collective(self._collective):
+            wait_all(self._works)
         staging.write_back(self._outputs, self._hosts)
         self._outputs = self._hosts = []
         return True

@@ -1,4 +1,5 @@
-"""Every run-time change to DeepSpeed internals, in one table, each guarded by the version it was written for.
+"""Every run-time change to DeepSpeed internals (and one to torch's, where DeepSpeed's object collectives meet XLA
+tensors: ``comm``), in one table, each guarded by the version it was written for.
 
 The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
 the XLA accelerator is DeepSpeed's. ``tests/patches/test_table.py`` fails when an upstream target changes.
@@ -16,7 +17,6 @@ the patches exist'). One change is not in the table because it must come before 
 import sys
 import warnings
 from importlib import metadata
-from typing import Optional
 
 from deepspeed_xla.devices import wants_xla
 from deepspeed_xla.patches import (accelerate, checkpoints, comm, compiler, config, engine, flops_profiler, grad_checks,
@@ -159,6 +159,8 @@ PATCHES = [
           "f497cad4ad72df4f"),
     Patch("deepspeed.runtime.compiler", "", "compile", compiler.deferred_compile, "41ba17e70620eebc"),
     Patch("deepspeed.comm.torch", "TorchBackend", "init_device_mesh", comm.init_device_mesh, "6244115c6499f66b"),
+    Patch("torch._utils", "", "_rebuild_device_tensor_from_cpu_tensor", comm.rebuilt_xla_tensor_is_a_leaf,
+          "06da87e73e8e98c7", loaded_with="deepspeed.comm.torch"),
     Patch("deepspeed.comm.comm", "", "timers", comm.each_op_timed_alone, "2ecfcf03badad0ce", reads=("timed_op", )),
     Patch("deepspeed.module_inject.layers", "TensorParallel_Layer", "move", tensor_parallel.keeps_host_shards_on_host,
           "3335100d7facc177"),
@@ -201,17 +203,13 @@ PATCHES = [
         ("print_model_profile", flops_profiler.module_latencies_not_measured, "619a854e2d70147c",
          ("print_model_profile", "print_model_aggregated_profile")))),
     Patch("torch.nn.modules.linear", "Linear", "forward", mixed_dtypes.linear_refuses_mixed_dtypes,
-          "c0ab8f42cc3bf948"),
+          "c0ab8f42cc3bf948", loaded_with="deepspeed.runtime.engine"),
     # modeling_utils imports it by name, after this module has loaded (and been patched).
     Patch("transformers.integrations.hub_kernels", "", "_kernels_enabled", hub_kernels.disabled_on_xla,
           "89c31a84efa10f23", since="5.25.0"),
 ]
 
-#: torch is imported before DeepSpeed chooses its accelerator, and with the same environment for either (the tests'
-#: fork server imports it once for both): its patches are applied when XLA is chosen (``registration``).
-AT_ACCELERATOR_CHOICE = "torch"
-#: The modules patched as they load (``bootstrap``'s startup hook).
-PATCHED_MODULES = sorted({p.module for p in PATCHES if p.distribution != AT_ACCELERATOR_CHOICE})
+PATCHED_MODULES = sorted({p.hooked for p in PATCHES})
 
 
 def _xla_is_active(distribution: str) -> bool:
@@ -235,27 +233,30 @@ def _outside_range(distribution: str, installed: str, changed: list) -> str:
 
 
 def on_module_loaded(module) -> None:
-    """Startup-hook entry: patch ``module`` if the XLA accelerator is (or will be) DeepSpeed's accelerator. A release
-    outside the supported ones gets one warning, at its first patched module, naming the range and the patched
-    functions there that changed; a changed one in a module loaded later gets its own."""
-    targets = [patch for patch in PATCHES if patch.module == module.__name__]
-    if not targets or not _xla_is_active(targets[0].distribution):
-        return
-    distribution = targets[0].distribution
+    """Startup-hook entry: apply the patches ``module``'s load applies (``Patch.hooked``), each distribution's if the
+    XLA accelerator is (or will be) DeepSpeed's accelerator. A release outside the supported ones gets one warning, at
+    its first patched module, naming the range and the patched functions there that changed; a changed one in a module
+    loaded later gets its own."""
+    targets = [patch for patch in PATCHES if patch.hooked == module.__name__]
+    for distribution in dict.fromkeys(patch.distribution for patch in targets):
+        if _xla_is_active(distribution):
+            _apply_release(distribution, [patch for patch in targets if patch.distribution == distribution])
+
+
+def _apply_release(distribution: str, targets: list) -> None:
     installed = metadata.version(distribution)
     targets = [patch for patch in targets if patch.applies_to(installed)]
     if in_range(distribution, installed) or distribution in _REPORTED:
         for patch in targets:
-            _apply(module, patch)
+            _apply(patch)
         return
     _REPORTED.add(distribution)
-    changed = [label(patch) for patch in targets if _apply(module, patch, warn=False)]
+    changed = [label(patch) for patch in targets if _apply(patch, warn=False)]
     warnings.warn(_outside_range(distribution, installed, sorted(set(changed))))
 
 
-def apply_all(distribution: Optional[str] = None) -> None:
-    """Patch every target module that is already imported (of ``distribution``, else of any): the explicit
-    ``register()`` route, and torch's patches when XLA becomes DeepSpeed's accelerator."""
-    for name in sorted({p.module for p in PATCHES if distribution in (None, p.distribution)}):
+def apply_all() -> None:
+    """Patch every target module that is already imported (the explicit ``register()`` route)."""
+    for name in PATCHED_MODULES:
         if name in sys.modules:
             on_module_loaded(sys.modules[name])

@@ -1,5 +1,6 @@
-"""Patches of DeepSpeed's comm layer: the DeviceMesh it builds for its groups (``deepspeed.comm.torch``), and the
-times its comms logger records (``deepspeed.comm.comm``).
+"""Patches of DeepSpeed's comm layer: the DeviceMesh it builds for its groups (``deepspeed.comm.torch``), the
+times its comms logger records (``deepspeed.comm.comm``), and the XLA tensors its object collectives unpickle
+(torch's ``_rebuild_device_tensor_from_cpu_tensor``, applied when ``deepspeed.comm.torch`` loads).
 
 DeepSpeed takes AutoTP's and sequence parallelism's groups from a torch DeviceMesh on the accelerator's
 device type (``mesh.get_group``). torch builds no process groups for a DeviceMesh on ``xla`` (it leaves
@@ -36,3 +37,18 @@ def each_op_timed_alone(original):
                 return super().elapsed(reset=True)
 
     return OwnTimes()
+
+
+def rebuilt_xla_tensor_is_a_leaf(original):
+    """torch pickles an XLA tensor as ``tensor.cpu()`` and its ``requires_grad``, and unpickling moves that copy back
+    and sets ``requires_grad``. The copy of a tensor that requires grad keeps its autograd history, so the tensor
+    rebuilt from it is not a leaf and setting the flag raises ("you can only change requires_grad flags of leaf
+    variables"): AutoTP's first forward broadcasts its inputs as objects to check them (``broadcast_object_list``),
+    and the receiving ranks of each tensor-parallel group failed there while the others waited in the group's next
+    collective. Rebuilt from the copy's data instead: a leaf, as a CPU or CUDA tensor unpickles."""
+
+    @functools.wraps(original)
+    def rebuild(data, dtype, device, requires_grad):
+        return original(data.detach(), dtype, device, requires_grad)
+
+    return rebuild

@@ -21,7 +21,8 @@ def _name(dtype) -> str:
 
 def linear_refuses_mixed_dtypes(original):
     """``nn.Linear.forward``: the dtype check CPU's and CUDA's matmul kernels make, on the host while tracing (no
-    device read, nothing added to the graph). Patched as torch loads (this module imports no torch)."""
+    device read, nothing added to the graph). Applied when DeepSpeed's engine module loads (torch loads before the
+    startup hook sees it)."""
 
     @functools.wraps(original)
     def forward(self, input):

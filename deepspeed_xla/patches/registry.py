@@ -54,6 +54,7 @@ _DEEPSPEED_FILES = {
 #: each function and parses the whole file of a class).
 UPSTREAM_FILES: Dict[str, Dict[str, str]] = {
     **{module: {WRITTEN_FOR: digest} for module, digest in _DEEPSPEED_FILES.items()},
+    "torch._utils": {"2.9.0": "b52db634d2378395"},
     "accelerate.state": {"1.15.0": "8af1fe9a518f46bc", "1.16.0": "31c217fab2d921bd"},
     "accelerate.utils.deepspeed": {"1.15.0": "82dfa3c0ea4eb51b", "1.16.0": "82dfa3c0ea4eb51b"},
     "transformers.integrations.hub_kernels": {"5.25.0": "15077cc8e541f659"},
@@ -116,10 +117,18 @@ class Patch(NamedTuple):
     digests_at: Tuple[Tuple[str, str], ...] = ()
     #: The first release that has ``attr`` as the wrapper expects it; older releases are not patched.
     since: str = ""
+    #: The module whose load applies the patch, when not ``module``: torch's modules load before the startup hook can
+    #: see them (it imports torch itself), so a DeepSpeed module that uses the patched code applies it.
+    loaded_with: str = ""
 
     def applies_to(self, version: str) -> bool:
         """Whether this release of the distribution gets the patch (``since``)."""
         return not self.since or release(version) >= release(self.since)
+
+    @property
+    def hooked(self) -> str:
+        """The module whose load applies the patch (the startup hook's ``_AFTER_IMPORT``)."""
+        return self.loaded_with or self.module
 
     @property
     def distribution(self) -> str:
@@ -196,8 +205,8 @@ def is_applied(patch: Patch) -> bool:
     return patch in _applied
 
 
-def _apply(module, patch: Patch, warn: bool = True) -> bool:
-    """Patch ``module``; whether its upstream code ``changed`` (warned about unless ``warn`` is false)."""
+def _apply(patch: Patch, warn: bool = True) -> bool:
+    """Patch ``patch.module``; whether its upstream code ``changed`` (warned about unless ``warn`` is false)."""
     if patch in _applied:
         return False
     differs = changed(patch)

@@ -8,13 +8,16 @@ from deepspeed_xla.comm import watchdog
 
 class _Searched:
     """A rank's watchdog after its search for a failed rank found none."""
-    rank, timeout, collective_timeout = 0, 60.0, 1800.0
+    rank, timeout, collective_timeout, collective = 0, 60.0, 1800.0, None
 
     def __init__(self, busy):
         self.busy = busy
 
     def busy_ranks(self):
         return self.busy
+
+    def waits(self):
+        return {}
 
     def find_failure(self):
         return None

@@ -22,7 +22,7 @@ from tests.multiproc.commands import kill_group, start_command
 # (``clean_env`` makes one per process), pytest's PYTEST_CURRENT_TEST. Not the test fixtures' ``DSX_TEST_*``: their
 # ``sitecustomize.py`` reads them at start-up.
 _AFTER_IMPORT = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "HOME", "DS_ACCELERATOR", "DS_XLA_COMM_TIMEOUT", "PYTEST_CURRENT_TEST"}
+                 "HOME", "DS_ACCELERATOR", "DS_XLA_COMM_TIMEOUT", "DS_XLA_HEARTBEAT_TIMEOUT", "PYTEST_CURRENT_TEST"}
 FORK_SERVER = REPO / "tests" / "fork_server.py"
 
 

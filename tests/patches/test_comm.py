@@ -50,3 +50,22 @@ def test_each_logged_latency_is_the_ops_own(logger):
         upstream("op").stop()
         last = upstream("op").elapsed(reset=False)
     assert last == pytest.approx(30.0)
+
+
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf", "computed"])
+def test_an_xla_tensor_that_requires_grad_unpickles(xla_device, leaf):
+    """What AutoTP's input check does with a batch that requires grad (``broadcast_object_list`` pickles it): the tensor
+    comes back on the device, equal, requiring grad and a leaf. Upstream's rebuild, handed the same pickled copy,
+    raises."""
+    import inspect
+    import pickle
+    (patch, ) = [p for p in patches.PATCHES if p.wrapper is comm.rebuilt_xla_tensor_is_a_leaf]
+    assert patches.is_applied(patch)
+    source = torch.arange(6.0, device=xla_device).requires_grad_()
+    sent = source if leaf else source * 2
+    received = pickle.loads(pickle.dumps(sent))
+    assert received.device == sent.device and received.is_leaf and received.requires_grad
+    assert torch.equal(received.detach().cpu(), sent.detach().cpu())
+    rebuild, args = sent.__reduce_ex__(2)
+    with pytest.raises(RuntimeError, match="leaf variables"):
+        inspect.unwrap(rebuild)(*args)

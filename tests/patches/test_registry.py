@@ -41,7 +41,7 @@ def _warnings(call, *args) -> list:
 def _apply(module, digest: str, digests_at=()) -> list:
     """Apply a patch of ``module.f`` written against ``digest``; the warnings it gave."""
     patch, upstream = Patch(module.__name__, "", "f", _plus_one(), digest, digests_at=digests_at), module.f()
-    warned = _warnings(registry._apply, module, patch)
+    warned = _warnings(registry._apply, patch)
     assert registry.is_applied(patch) and module.f() == upstream + 1  # patched either way
     return warned
 
