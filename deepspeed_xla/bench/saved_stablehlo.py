@@ -19,13 +19,17 @@ _HLO_PARAMETERS = re.compile(r"entry_computation_layout=\{\((.*?)\)->")
 
 def step_stablehlo(saved_text: str) -> str:
     """The step's module among the graphs torch_xla saved as StableHLO (``XLA_SAVE_TENSORS_FMT=stablehlo``): the
-    last of those with the most dots, without the ``Graph Hash`` line after it that MLIR cannot parse."""
+    last of those with the most dots."""
     graphs = saved_graphs(saved_text)
     if not graphs:
         raise ValueError("no graph was saved: trace the steps with XLA_SAVE_TENSORS_FMT=stablehlo")
     counts = [dot_count(graph) for graph in graphs]
-    step = max(range(len(graphs)), key=lambda index: (counts[index], index))
-    return graphs[step].rsplit("\nGraph Hash:", 1)[0].strip() + "\n"
+    return module_text(graphs[max(range(len(graphs)), key=lambda index: (counts[index], index))])
+
+
+def module_text(graph: str) -> str:
+    """A saved graph's module, without the ``Graph Hash`` line after it that MLIR cannot parse."""
+    return graph.rsplit("\nGraph Hash:", 1)[0].strip() + "\n"
 
 
 def donors(hlo_text: str) -> Set[int]:

@@ -1,13 +1,14 @@
 """``python -m deepspeed_xla.bench --tpu-compile v5e,v5p,v6e``: what the TPU compiler says of the step graphs.
 
-torch_xla traces each case's step graph here (``bench.step_graphs --stablehlo``) and writes it as StableHLO; libtpu,
-in a compile-only venv of its own (``requirements-compile.txt``, built on demand by
-``scripts/setup_compile_env.sh``), compiles it for a named chip without one (``bench/tpu_compiler.py``, run as a
-subprocess: libtpu and torch_xla cannot share a process). Reported per case and chip: the compile time, the HBM a
+torch_xla traces each case's step graph here (``bench.step_graphs --stablehlo``: the floor and ZeRO 0–3, fp32 and
+bf16, one process) and each stage's graphs of a 2-stage pipeline (``bench.stage_graphs``), and writes them as
+StableHLO; libtpu, in a compile-only venv of its own (``requirements-compile.txt``, built on demand by
+``scripts/setup_compile_env.sh``), compiles them for a named chip without one (``bench/tpu_compiler.py``, run as a
+subprocess: libtpu and torch_xla cannot share a process). Reported per graph and chip: the compile time, the HBM a
 chip needs (arguments, outputs, aliased, temporaries, code), the FLOPs and bytes of XLA's cost analysis, libtpu's
-time estimate and the MFU it implies. The module carries the buffer donors torch_xla's own compile gives XLA
-(parameters and optimizer state updated in place), read from the XLA dump of the same graph compiled here, so the
-aliased bytes are those of a real run (none for a graph traced with ``--no-compile``).
+time estimate and the MFU it implies. A step graph carries the buffer donors torch_xla's own compile gives XLA
+(parameters and optimizer state updated in place), read from the XLA dump of the same graph compiled here, so its
+aliased bytes are those of a real run (none with ``--trace-only``, nor for the stages' graphs).
 """
 import argparse
 import json
@@ -15,9 +16,9 @@ import os
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
-from deepspeed_xla.bench import step_graphs
+from deepspeed_xla.bench import stage_graphs, step_graphs
 from deepspeed_xla.bench.roofline import TPUS
 from deepspeed_xla.bench.systems import flops_per_token
 
@@ -76,9 +77,10 @@ def estimate(result: dict) -> dict:
     return {"seconds": seconds + unmodelled, "unmodelled": unmodelled}
 
 
-def report_rows(cases: List[dict], results: List[dict], model_flops: float) -> List[dict]:
+def report_rows(cases: List[dict], results: List[dict], model_flops: Optional[float]) -> List[dict]:
     """A row per case and chip: the case, the compiler's figures, and the MFU that libtpu's estimate implies for
-    ``model_flops`` (the analytic FLOPs of the step's tokens) at the chip's bf16 peak."""
+    ``model_flops`` (the analytic FLOPs of the step's tokens; None: a graph that is part of a step) at the chip's
+    bf16 peak."""
     by_name = {case["name"]: case for case in cases}
     rows = []
     for result in results:
@@ -86,27 +88,27 @@ def report_rows(cases: List[dict], results: List[dict], model_flops: float) -> L
         if "error" not in result:
             row.update(estimate(result))
             peak = TPUS[result["chip"]].peak_bf16_flops
-            row["mfu"] = model_flops / (row["seconds"] * peak) if row["seconds"] else None
+            row["mfu"] = model_flops / (row["seconds"] * peak) if row["seconds"] and model_flops else None
         rows.append(row)
     return rows
 
 
 def render(rows: List[dict]) -> str:
     """The table: MB per chip, GFLOP and GB of XLA's cost analysis, libtpu's estimate in µs."""
-    header = (f"{'case':14} {'chip':4} {'compile s':>9} {'args MB':>9} {'out MB':>8} {'alias MB':>8} {'temp MB':>8} "
+    header = (f"{'case':20} {'chip':4} {'compile s':>9} {'args MB':>9} {'out MB':>8} {'alias MB':>8} {'temp MB':>8} "
               f"{'code MB':>7} {'GFLOP':>9} {'GB moved':>8} {'est. us':>9} {'unmod.':>6} {'MFU':>6}")
     lines = [header, "-" * len(header)]
     for row in rows:
         case = f"{row['system']} {row['dtype']}"
         if "error" in row:
-            lines.append(f"{case:14} {row['chip']:4} refused: {row['error'].splitlines()[0][:100]}")
+            lines.append(f"{case:20} {row['chip']:4} refused: {row['error'].splitlines()[0][:100]}")
             continue
         memory, cost = row["memory"], row["cost"]
         mb = [memory[key] / 2 ** 20 for key in ("argument_size_in_bytes", "output_size_in_bytes",
                                                  "alias_size_in_bytes", "temp_size_in_bytes",
                                                  "generated_code_size_in_bytes")]
         mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
-        lines.append(f"{case:14} {row['chip']:4} {row['compile_s']:9.1f} {mb[0]:9.2f} {mb[1]:8.2f} {mb[2]:8.2f} "
+        lines.append(f"{case:20} {row['chip']:4} {row['compile_s']:9.1f} {mb[0]:9.2f} {mb[1]:8.2f} {mb[2]:8.2f} "
                      f"{mb[3]:8.2f} {mb[4]:7.2f} {cost['flops'] / 1e9:9.3f} {cost['bytes accessed'] / 1e9:8.3f} "
                      f"{row['seconds'] * 1e6:9.1f} {row['unmodelled']:6d} {mfu:>6}")
     return "\n".join(lines)
@@ -123,20 +125,26 @@ def parse_chips(text: str) -> List[str]:
 
 
 def run(args: argparse.Namespace, train_script: Path, workdir: Path) -> int:
-    """Trace the floor and ZeRO 0–3 in fp32 and bf16 at the bench's model, compile each step graph for every chip
-    of ``args.tpu_compile``, print the table (and write it as JSON to ``args.out``); 1 if a graph was refused."""
+    """Trace the floor and ZeRO 0–3 in fp32 and bf16 at the bench's model, and the stages of a 2-stage pipeline of it;
+    compile each step graph and stage graph for every chip of ``args.tpu_compile``, print the tables (and write them
+    as JSON to ``args.out``); 1 if a graph was refused."""
     flags = ["--stablehlo", "--layers", str(args.layers), "--dim", str(args.dim), "--seq", str(args.seq), "--batch",
              str(args.batch), "--vocab", str(args.vocab), "--clip", str(args.clip), "--seed", str(args.seed),
              "--train-script", str(train_script)] + ["--no-compile"] * args.trace_only
-    cases = step_graphs.count_systems(step_graphs.parse_args(flags), workdir)
-    graphs = [Graph(case["name"], case["stablehlo"]) for case in cases]
+    steps = step_graphs.count_systems(step_graphs.parse_args(flags), workdir)
+    stages = [case for dtype in step_graphs.DTYPES for case in stage_graphs.trace_stages(args, train_script, workdir,
+                                                                                         dtype)]
+    graphs = [Graph(case["name"], case["stablehlo"]) for case in steps + stages]
     results = compile_graphs(graphs, args.tpu_compile, compile_python(train_script.parents[1]), workdir)
-    tokens = args.batch * args.seq
-    rows = report_rows(cases, results, flops_per_token(args.dim, args.layers, args.vocab, args.seq) * tokens)
+    model_flops = flops_per_token(args.dim, args.layers, args.vocab, args.seq) * args.batch * args.seq
+    rows = report_rows(steps, results[:len(steps) * len(args.tpu_compile)], model_flops)
+    stage_rows = report_rows(stages, results[len(steps) * len(args.tpu_compile):], None)
     print(f"TinyGPT dim {args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, vocab {args.vocab}; "
-          f"one process; libtpu's compile-only client (per chip)\n{render(rows)}", flush=True)
+          f"libtpu's compile-only client, figures per chip\n\nStep graphs, one process:\n{render(rows)}\n\n"
+          f"Pipeline stages (2 processes, {stage_graphs.MICRO_BATCHES} micro-batches; gNxK: graph N, run K times "
+          f"a step):\n{render(stage_rows)}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"model": {"dim": args.dim, "layers": args.layers, "seq": args.seq,
                                                        "batch": args.batch, "vocab": args.vocab},
-                                             "rows": rows}, indent=1))
+                                             "steps": rows, "stages": stage_rows}, indent=1))
     return 1 if refusals(results) else 0

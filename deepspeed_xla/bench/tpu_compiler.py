@@ -19,9 +19,11 @@ import time
 
 #: slices to compile on, smallest first; a graph of n replicas takes the first with at least n chips
 TOPOLOGIES = {"v5e": ("v5e:2x2", "v5e:2x4"), "v5p": ("v5p:2x2x1", "v5p:2x2x2"), "v6e": ("v6e:2x2", "v6e:2x4")}
-#: quiets libtpu's probe of a TPU VM's metadata server, which this machine is not
-QUIET = {"JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
-         "TPU_WORKER_HOSTNAMES": "localhost"}
+#: quiets libtpu's probe of a TPU VM's metadata server, which this machine is not; and lets two compiling processes
+#: load libtpu at once (else the second is refused: "Internal error when accessing libtpu multi-process lockfile"),
+#: which holds no chip here
+ENVIRONMENT = {"JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
+               "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 MEMORY = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
           "generated_code_size_in_bytes")
 COST = ("flops", "bytes accessed", "transcendentals", "optimal_seconds", "utilization")
@@ -73,12 +75,12 @@ def main(job_path: str, out_path: str) -> int:
             results.append(dict(compile_one(text, chip, graph.get("replicas", 1), topologies), graph=graph["name"],
                                 chip=chip))
             print(f"{graph['name']} {chip}: {results[-1].get('error') or 'compiled'}", file=sys.stderr, flush=True)
-    with open(out_path, "w") as handle:
-        json.dump(results, handle)
+            with open(out_path, "w") as handle:  # after each: a long job stopped keeps what it compiled
+                json.dump(results, handle)
     return 0
 
 
 if __name__ == "__main__":
-    for key, value in QUIET.items():
+    for key, value in ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     sys.exit(main(*sys.argv[1:]))

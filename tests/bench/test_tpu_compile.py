@@ -1,14 +1,16 @@
-"""``bench.tpu_compile``: the floor's and ZeRO 0-3's step graphs (fp32, bf16), traced here by torch_xla, compiled by
-libtpu for v5e and v5p without a TPU (the compile-only venv of scripts/setup_compile_env.sh); the figures are read
-from the compiler. A refusal here is one a TPU user would meet first."""
+"""``bench.tpu_compile``: the floor's and ZeRO 0-3's step graphs (fp32, bf16) and a 2-stage pipeline's stage graphs,
+traced here by torch_xla, compiled by libtpu for v5e and v5p without a TPU (the compile-only venv of
+scripts/setup_compile_env.sh); the figures are read from the compiler. A refusal here is one a TPU user would meet
+first."""
 import argparse
 from pathlib import Path
 
 import pytest
 
-from deepspeed_xla.bench import tpu_compile
+from deepspeed_xla.bench import stage_graphs, tpu_compile
 from deepspeed_xla.bench.roofline import TPUS
-from tests.conftest import REPO
+from deepspeed_xla.bench.step_graphs import parse_args as step_graph_args
+from tests.conftest import REPO, STEP_GRAPH_DIM
 
 pytestmark = pytest.mark.xdist_group("step_graphs")  # shares step_graph_cases with test_cost.py
 CHIPS = ["v5e", "v5p"]
@@ -28,10 +30,15 @@ BROKEN_GROUPS = """module @broken attributes {mhlo.num_partitions = 1 : i32, mhl
 
 @pytest.fixture(scope="module")
 def compiled(step_graph_cases, tmp_path_factory):
-    """Every executed case's step graph for every chip; the floor's fp32 one again without its buffer donors; and a
-    module of bad replica groups: one compile-only process."""
+    """Every executed case's step graph and every stage graph of a 2-stage fp32 pipeline of the same model, for every
+    chip; the floor's fp32 one again without its buffer donors; and a module of bad replica groups: one compile-only
+    process."""
     tmp = tmp_path_factory.mktemp("tpu_compile")
-    cases = step_graph_cases["executed"]
+    model = step_graph_args(["--dim", str(STEP_GRAPH_DIM)])
+    args = argparse.Namespace(batch=model.batch, clip=1.0, dim=model.dim, layers=2, seq=model.seq, vocab=model.vocab,
+                              seed=model.seed, timeout=600)
+    stages = stage_graphs.trace_stages(args, REPO / "scripts" / "train.py", tmp, "fp32")
+    cases = step_graph_cases["executed"] + stages
     floor = Path(next(case["stablehlo"] for case in cases if case["name"] == "floor-fp32-2"))
     (tmp / "undonated.mlir").write_text(floor.read_text().replace(" {jax.buffer_donor = true}", ""))
     (tmp / "broken.mlir").write_text(BROKEN_GROUPS)
@@ -39,11 +46,11 @@ def compiled(step_graph_cases, tmp_path_factory):
         tpu_compile.Graph("floor-fp32-undonated", str(tmp / "undonated.mlir")),
         tpu_compile.Graph("broken-groups", str(tmp / "broken.mlir"), replicas=4)]
     results = tpu_compile.compile_graphs(graphs, CHIPS, tpu_compile.compile_python(REPO), tmp)
-    return {"cases": {case["name"]: case for case in cases}, "results": results,
+    return {"cases": {case["name"]: case for case in cases}, "results": results, "stages": stages,
             "by": {(result["graph"], result["chip"]): result for result in results}}
 
 
-def test_every_step_graph_compiles_for_v5e_and_v5p(compiled):
+def test_every_step_and_stage_graph_compiles_for_v5e_and_v5p(compiled):
     """And only the module of bad replica groups is refused, on each chip, its error naming it, the chip and why."""
     assert {(r["graph"], r["chip"]) for r in compiled["results"]} == {
         (graph, chip) for graph in [*compiled["cases"], "floor-fp32-undonated", "broken-groups"] for chip in CHIPS}
@@ -56,7 +63,7 @@ def test_the_compiler_counts_the_graphs_matmul_work(compiled):
     """XLA's FLOPs of the optimised graph hold at least the dots counted in torch_xla's HLO (bench.cost), and bytes
     are accessed; a chip's memory holds the code and the arguments."""
     for name, case in compiled["cases"].items():
-        for chip in CHIPS:
+        for chip in CHIPS if "dot_flops" in case else ():
             result = compiled["by"][name, chip]
             assert result["cost"]["flops"] >= case["dot_flops"] > 0, (name, chip)
             assert result["cost"]["bytes accessed"] > 0 and result["memory"]["generated_code_size_in_bytes"] > 0
@@ -73,7 +80,7 @@ def test_arguments_are_the_traced_state_per_chip(compiled, train_module):
         case = compiled["cases"][f"floor-{dtype}-2"]
         assert state + batch <= case["bytes_read"] <= state + batch + 1024, dtype  # and a few scalars
     for name, case in compiled["cases"].items():
-        for chip in CHIPS:
+        for chip in CHIPS if "bytes_read" in case else ():
             arguments = compiled["by"][name, chip]["memory"]["argument_size_in_bytes"]
             assert case["bytes_read"] <= arguments <= 2 * case["bytes_read"], (name, chip)
 
@@ -88,12 +95,33 @@ def test_buffer_donors_alias_the_state_updated_in_place(compiled, train_module):
         assert donated["alias_size_in_bytes"] >= 12 * weights and undonated["alias_size_in_bytes"] == 0, chip
         assert donated["argument_size_in_bytes"] == undonated["argument_size_in_bytes"]
     for name, case in compiled["cases"].items():
-        assert case["donors"] > 0 and compiled["by"][name, "v5e"]["memory"]["alias_size_in_bytes"] > 0, name
+        if "stage" not in case:
+            assert case["donors"] > 0 and compiled["by"][name, "v5e"]["memory"]["alias_size_in_bytes"] > 0, name
+
+
+def test_each_stage_runs_a_graph_per_micro_batch(compiled):
+    """A stage's step is several graphs, between which the activations or gradients pass on the host: of the steady
+    step, each stage runs one graph once per micro-batch, and the two stages' graphs hold the model's matmuls."""
+    stages = compiled["stages"]
+    assert {case["stage"] for case in stages} == {0, 1}
+    for stage in (0, 1):
+        runs = [case["runs"] for case in stages if case["stage"] == stage]
+        assert stage_graphs.MICRO_BATCHES in runs and len(runs) > 1, (stage, runs)
+    floor_flops = compiled["by"]["floor-fp32-2", "v5e"]["cost"]["flops"]
+    flops = sum(compiled["by"][case["name"], "v5e"]["cost"]["flops"] * case["runs"] for case in stages)
+    assert flops >= floor_flops  # the floor's step trains one micro-batch, the pipeline's four
+
+
+def test_a_steady_step_is_the_last_run_of_graphs_the_step_before_repeats():
+    hashes = ["init", "a", "x", "x", "y", "b", "x", "x", "y", "c", "x", "x", "y", "c", "read"]
+    assert stage_graphs.steady_step(hashes) == (10, 14)  # past the final read; not the first step's "b"
+    with pytest.raises(ValueError, match="at least 3 steps"):
+        stage_graphs.steady_step(["init", "a", "b", "read"])
 
 
 def test_rows_and_table(compiled):
     """A row per case and chip: the MFU that libtpu's estimate implies, a refusal as such."""
-    cases = [dict(case, name=name) for name, case in compiled["cases"].items()]
+    cases = list(compiled["cases"].values())
     cases.append({"name": "broken-groups", "system": "broken", "dtype": "fp32", "layers": 0})
     results = [r for r in compiled["results"] if r["graph"] != "floor-fp32-undonated"]
     rows = tpu_compile.report_rows(cases, results, model_flops=1e9)
