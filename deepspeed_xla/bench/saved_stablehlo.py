@@ -6,6 +6,7 @@ aliasing (``mhlo.input_output_alias = []``); its compile then marks the paramete
 donors, which XLA aliases to outputs of the same shape. The XLA dump of that compile (``before_optimizations``) lists
 them, and ``jax.buffer_donor`` on the same arguments of the StableHLO has libtpu alias them alike.
 """
+import math
 import re
 from typing import Set
 
@@ -14,6 +15,7 @@ from deepspeed_xla.bench.cost import dot_count, saved_graphs
 _SIGNATURE = re.compile(r"func\.func (?:public )?@main\((.*?)\) ->", re.S)
 _ARGUMENT = re.compile(r"%arg(\d+): (tensor<[^>]*>)")
 _DONORS = re.compile(r"(?:buffer_donor|input_output_alias)=\{(.*?) \}")
+_BOOLEANS = re.compile(r'dense<"0x([0-9A-Fa-f]+)"> : tensor<([0-9x]*)xi1>')
 _HLO_PARAMETERS = re.compile(r"entry_computation_layout=\{\((.*?)\)->")
 
 
@@ -28,8 +30,21 @@ def step_stablehlo(saved_text: str) -> str:
 
 
 def module_text(graph: str) -> str:
-    """A saved graph's module, without the ``Graph Hash`` line after it that MLIR cannot parse."""
-    return graph.rsplit("\nGraph Hash:", 1)[0].strip() + "\n"
+    """A saved graph's module, without the ``Graph Hash`` line after it that MLIR cannot parse, and with its boolean
+    constants in bytes (``bytewise_booleans``)."""
+    return bytewise_booleans(graph.rsplit("\nGraph Hash:", 1)[0].strip() + "\n")
+
+
+def bytewise_booleans(module: str) -> str:
+    """torch_xla 2.9's MLIR prints a boolean array constant in hex as bits, 8 elements a byte, the lowest bit first;
+    the newer MLIR of the compile-only venv reads a byte per element ("elements hex data size is invalid")."""
+    def unpacked(match: re.Match) -> str:
+        bits, count = bytes.fromhex(match[1]), math.prod(int(d) for d in match[2].split("x") if d)
+        if len(bits) != (count + 7) // 8:
+            return match[0]  # already a byte per element
+        values = bytes((bits[i // 8] >> (i % 8)) & 1 for i in range(count))
+        return f'dense<"0x{values.hex().upper()}"> : tensor<{match[2]}xi1>'
+    return _BOOLEANS.sub(unpacked, module)
 
 
 def donors(hlo_text: str) -> Set[int]:

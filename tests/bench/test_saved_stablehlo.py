@@ -47,3 +47,12 @@ def test_a_different_graph_is_refused():
     other = COMPILED.replace("f32[], f32[64,32]{1,0})->", "f32[])->")
     with pytest.raises(ValueError, match="3 parameters and the saved StableHLO 4 arguments: they are not the same"):
         saved_stablehlo.mark_donors(STEP, other)
+
+
+def test_boolean_constants_are_written_a_byte_per_element():
+    """torch_xla's MLIR packs a boolean constant's hex 8 elements a byte, lowest bit first; JAX's reads bytes."""
+    packed = '%c = stablehlo.constant dense<"0x0501"> : tensor<2x5xi1>\n'  # 1010000010 as bits 0..9
+    assert saved_stablehlo.bytewise_booleans(packed) == \
+        '%c = stablehlo.constant dense<"0x01000100000000000100"> : tensor<2x5xi1>\n'
+    assert saved_stablehlo.bytewise_booleans(saved_stablehlo.bytewise_booleans(packed)) == \
+        saved_stablehlo.bytewise_booleans(packed)  # bytes already: left as they are
