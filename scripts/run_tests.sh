@@ -32,6 +32,10 @@ if [ ! -f "$DSX_HF_OLDEST/.complete" ]; then
   pip install -q --no-deps --target "$DSX_HF_OLDEST" $DSX_HF_OLDEST_SET
   touch "$DSX_HF_OLDEST/.complete"
 fi
+# The compile-only TPU toolchain (JAX and libtpu, requirements-compile.txt) in a venv of its own, built once beside the
+# main one: tests/bench/test_tpu_compile.py compiles the traced step graphs with it (bench/tpu_compile.py).
+DSX_COMPILE_PYTHON="$(bash "$DSX_ROOT/scripts/setup_compile_env.sh")"
+export DSX_COMPILE_PYTHON
 # Two workers (pytest-xdist): a launched run leaves a core idle while its launcher and workers import; each module's
 # tests stay on one worker (tests/conftest.py's groups).
 python -m pytest tests -q -p no:cacheprovider --timeout 900 --durations=15 -n 2 --dist loadgroup --no-loadscope-reorder "$@"

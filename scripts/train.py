@@ -335,6 +335,9 @@ def main(argv=None) -> None:
     parser.add_argument("--timings", action="store_true",
                         help="keep the losses on the device until training ends and wait for the device at the end "
                              "of every step: step times without per-step device->host transfers")
+    parser.add_argument("--save-graphs", metavar="PREFIX",
+                        help="save every graph this rank executes as StableHLO into PREFIX.rank<RANK>.0 (torch_xla's "
+                             "XLA_SAVE_TENSORS_FILE; python -m deepspeed_xla.bench --tpu-compile compiles them)")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
@@ -346,6 +349,9 @@ def main(argv=None) -> None:
                      "not the pipeline's layers (which --activation-checkpoint-interval checkpoints)")
     if args.save_at and not args.save_dir:
         parser.error("--save-at needs --save-dir (where to write the checkpoints)")
+    if args.save_graphs:  # read at the first graph; a file per rank, since every rank's device is xla:0
+        os.environ.update(XLA_SAVE_TENSORS_FILE=f"{args.save_graphs}.rank{os.environ.get('RANK', '0')}",
+                          XLA_SAVE_TENSORS_FMT="stablehlo")
 
     deepspeed.init_distributed()
     mesh_param = sequence_group = None

@@ -164,3 +164,36 @@ def trainings(tmp_path_factory):
     trainings = Trainings(tmp_path_factory.mktemp("trainings"))
     yield trainings
     trainings.close()
+
+
+STEP_GRAPH_DIM = 64  # the bench model's width; docs/performance.md records width 256 ('The targets')
+SMALL_BUCKET = 5000  # elements: below the model's larger parameters (12,288 and 16,384), so they split over buckets
+#: The depths asserted: 16 layers are traced, not compiled (``--no-compile``): compiling every system's 16-layer step
+#: graph, fp32 and bf16, takes about 6 minutes of CPU.
+STEP_GRAPH_DEPTHS = (2, 16)
+
+
+def _counted_cases(tmp_path: Path, name: str, *flags: str) -> list:
+    """``python -m deepspeed_xla.bench.step_graphs`` on the bench's model at ``STEP_GRAPH_DIM`` with ``flags``."""
+    import json
+
+    from tests.multiproc import run_command
+    out = tmp_path / f"{name}.json"
+    proc = run_command([sys.executable, "-m", "deepspeed_xla.bench.step_graphs", "--workdir", str(tmp_path / name),
+                        "--out", str(out), "--dim", str(STEP_GRAPH_DIM), *flags], 1800, cwd=REPO, env=clean_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="session")
+def step_graph_cases(tmp_path_factory):
+    """The floor and ZeRO 0-3, fp32 and bf16: traced at ``STEP_GRAPH_DEPTHS`` and executed at 2 layers (one process
+    per system, a child per case; the executed ones also written as StableHLO with their buffer donors, which
+    tests/bench/test_tpu_compile.py compiles for TPUs); and ZeRO 1-3 at 2 layers in fp32 with ``reduce_bucket_size``
+    below the largest parameters. The modules that use it share an ``xdist_group``, so it runs once."""
+    tmp_path = tmp_path_factory.mktemp("step_graphs")
+    return {"traced": _counted_cases(tmp_path, "traced", "--no-compile", "--layers", *map(str, STEP_GRAPH_DEPTHS)),
+            "executed": _counted_cases(tmp_path, "executed", "--layers", "2", "--stablehlo"),
+            "small_bucket": _counted_cases(tmp_path, "small_bucket", "--systems", "zero1", "zero2", "zero3",
+                                           "--dtypes", "fp32", "--layers", "2", "--zero",
+                                           f"reduce_bucket_size={SMALL_BUCKET}")}

@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from deepspeed_xla.bench import driver, results
+from deepspeed_xla.bench import driver, results, tpu_compile
 from deepspeed_xla.bench.example import find_train_script
 from deepspeed_xla.bench.roofline import TPUS
 from deepspeed_xla.bench.systems import (DEFAULT_SYSTEMS, NAMING, feature_list, flops_per_token, matmul_params,
@@ -48,6 +48,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="also count each system's step graph from its HLO (XLA's dump): FLOPs, element "
                              "operations, bytes, collectives, and a roofline estimate of the step on --tpu")
     parser.add_argument("--tpu", choices=sorted(TPUS), default="v5e", help="the TPU generation of --cost's estimate")
+    parser.add_argument("--tpu-compile", type=tpu_compile.parse_chips, metavar="CHIPS",
+                        help="instead of training: compile the step graph of the floor and ZeRO 0-3, fp32 and bf16, "
+                             "at this model with libtpu for these TPU generations (e.g. v5e,v5p,v6e), without a TPU, "
+                             "and report its memory, FLOPs, bytes, libtpu's time estimate and MFU per chip")
+    parser.add_argument("--trace-only", action="store_true",
+                        help="with --tpu-compile: trace the step graphs without compiling them here (a large model); "
+                             "they then carry no buffer donors, so nothing is aliased")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--png", help="draw step times and tokens/s into this PNG (needs matplotlib)")
     parser.add_argument("--train-script", help="scripts/train.py of a deepspeed-xla checkout (default: found)")
@@ -79,6 +86,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device_type = current_device_type()  # writes PJRT_DEVICE for the children; never starts the runtime
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ds_xla_bench_"))
     workdir.mkdir(parents=True, exist_ok=True)
+    if args.tpu_compile:
+        return tpu_compile.run(args, train_script, workdir)
     load_start = os.getloadavg()[0]
     peak_flops = device_type.peak_bf16_flops()
     turns = [workdir] if args.repeats == 1 else [workdir / f"repeat{turn}" for turn in range(args.repeats)]

@@ -302,7 +302,7 @@ def step_cost(text: str) -> dict:
 
 def dot_count(text: str) -> int:
     """Dots and convolutions in a module's text: how the step graph is told from the others."""
-    return len(re.findall(r"\sdot\(|\sconvolution\(", text))
+    return len(re.findall(r"\sdot\(|\sconvolution\(|stablehlo\.(?:dot_general|dot|convolution)\b", text))
 
 
 def saved_graphs(text: str) -> List[str]:

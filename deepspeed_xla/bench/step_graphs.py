@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,8 +22,9 @@ import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from deepspeed_xla.bench.cost import saved_graphs, step_cost, step_graph
+from deepspeed_xla.bench.cost import saved_graphs, step_cost, step_graph, step_module
 from deepspeed_xla.bench.example import find_train_script, load_example
+from deepspeed_xla.bench.saved_stablehlo import donors, mark_donors, step_stablehlo
 from deepspeed_xla.bench.systems import LR, WEIGHT_DECAY, ds_config, zero_option
 
 SYSTEMS = ("floor", "zero0", "zero1", "zero2", "zero3")
@@ -90,6 +92,7 @@ def _count_case(args: argparse.Namespace, train, dtype: str, layers: int) -> dic
     from deepspeed_xla import xla_runtime
     saved = _saved_file(Path(args.graphs))
     before = saved.stat().st_size if saved else 0  # earlier cases' graphs, not read
+    shutil.rmtree(_dump_folder(args), ignore_errors=True)  # earlier cases' compilations
     torch.manual_seed(args.seed)
     xla_runtime.set_eager(args.no_compile)  # DeepSpeed's start-up too: one lazy graph of it compiles longer
     model = train.TinyGPT(args.vocab, args.dim, layers, seq=args.seq).to(xla_runtime.device())
@@ -106,8 +109,29 @@ def _count_case(args: argparse.Namespace, train, dtype: str, layers: int) -> dic
         xla_runtime.sync(wait=True)
     with open(_saved_file(Path(args.graphs)), "rb") as graphs:
         graphs.seek(before)
-        graph = step_graph(saved_graphs(graphs.read().decode()))  # this case's graphs
-    return dict(step_cost(graph), system=args.system, dtype=dtype, layers=layers)
+        text = graphs.read().decode()  # this case's graphs
+    if args.stablehlo:
+        return _stablehlo_case(args, text, dtype, layers)
+    return dict(step_cost(step_graph(saved_graphs(text))), system=args.system, dtype=dtype, layers=layers)
+
+
+def _dump_folder(args: argparse.Namespace) -> Path:
+    """Where ``--stablehlo`` has XLA dump the graphs it compiles (``count_systems``)."""
+    return Path(args.graphs).with_suffix(".dump")
+
+
+def _stablehlo_case(args: argparse.Namespace, saved: str, dtype: str, layers: int) -> dict:
+    """The case's step graph as StableHLO, written beside the saved graphs, with the buffer donors of torch_xla's
+    compile of it and its counts, both from that compile's HLO (XLA's dump); traced only, neither."""
+    name = f"{args.system}-{dtype}-{layers}"
+    module, row = step_stablehlo(saved), dict(system=args.system, dtype=dtype, layers=layers, name=name, donors=None)
+    if not args.no_compile:
+        hlo = step_module(_dump_folder(args)).read_text()
+        module = mark_donors(module, hlo)
+        row.update(step_cost(hlo), donors=len(donors(hlo)))
+    path = Path(args.graphs).parent / f"{name}.mlir"
+    path.write_text(module)
+    return dict(row, stablehlo=str(path))
 
 
 def _forked(run: Callable[..., dict], *args) -> dict:
@@ -154,12 +178,17 @@ def worker(args: argparse.Namespace) -> None:
 
 def count_systems(args: argparse.Namespace, workdir: Path) -> List[dict]:
     """Run one worker process per system of ``args.systems``, in turn; their cases. Each saves the HLO of every graph
-    it executes (``XLA_SAVE_TENSORS_FILE``): a cached graph is saved too, which an XLA dump (compilations) misses."""
+    it executes (``XLA_SAVE_TENSORS_FILE``): a cached graph is saved too, which an XLA dump (compilations) misses.
+    With ``--stablehlo`` it saves StableHLO, and XLA dumps what it compiles (the buffer donors of ``_stablehlo_case``).
+    """
     rows = []
     for system in args.systems:
         graphs, out = workdir / f"{system}.graphs", workdir / f"{system}.json"
         env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"), DS_ACCELERATOR="xla",
-                   XLA_SAVE_TENSORS_FILE=str(graphs), XLA_SAVE_TENSORS_FMT="hlo")
+                   XLA_SAVE_TENSORS_FILE=str(graphs), XLA_SAVE_TENSORS_FMT="stablehlo" if args.stablehlo else "hlo")
+        if args.stablehlo:
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={graphs.with_suffix('.dump')} " \
+                               "--xla_dump_hlo_as_text".strip()
         cmd = [sys.executable, "-m", "deepspeed_xla.bench.step_graphs", "--worker", "--system", system,
                "--graphs", str(graphs), "--out", str(out), *_shared_flags(args)]
         with open(workdir / f"{system}.log", "w") as log:
@@ -173,7 +202,8 @@ def count_systems(args: argparse.Namespace, workdir: Path) -> List[dict]:
 def _shared_flags(args: argparse.Namespace) -> List[str]:
     flags = ["--dtypes", *args.dtypes, "--layers", *map(str, args.layers), "--dim", str(args.dim), "--seq",
              str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab), "--steps", str(args.steps),
-             "--seed", str(args.seed), "--clip", str(args.clip)] + ["--no-compile"] * args.no_compile
+             "--seed", str(args.seed), "--clip", str(args.clip)] + ["--no-compile"] * args.no_compile \
+        + ["--stablehlo"] * args.stablehlo
     if args.train_script:
         flags += ["--train-script", args.train_script]
     return flags + (["--zero", *(f"{k}={json.dumps(v)}" for k, v in args.zero.items())] if args.zero else [])
@@ -202,6 +232,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="count the last step's graph without compiling or running it: the steps before it run "
                              "op by op (torch_xla's eager mode). The same graph, without a deep model's "
                              "compilations")
+    parser.add_argument("--stablehlo", action="store_true",
+                        help="write each case's step graph as StableHLO (NAME.mlir in --workdir) with the buffer "
+                             "donors of its compilation here, for another compiler (bench.tpu_compile)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--clip", type=float, default=1.0, metavar="NORM",
                         help="clip the gradients' global norm to this, the floor as DeepSpeed (0: off)")

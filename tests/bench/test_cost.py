@@ -8,8 +8,10 @@ import sys
 import pytest
 
 from deepspeed_xla.bench import cost, results, roofline, step_graphs, systems
-from tests.conftest import REPO, clean_env
+from tests.conftest import REPO, SMALL_BUCKET, STEP_GRAPH_DEPTHS as DEPTHS, STEP_GRAPH_DIM as DIM, clean_env
 from tests.multiproc import run_command
+
+pytestmark = pytest.mark.xdist_group("step_graphs")  # shares step_graph_cases with test_tpu_compile.py
 
 REDUCTION = """
 %add.1 (x.2: f32[], y.3: f32[]) -> f32[] {
@@ -210,34 +212,6 @@ def test_saved_graphs_step_is_the_last_of_the_most_dots():
 # The targets of issue #46 over the floor's step graph (docs/performance.md, 'Cost of a step').
 DOT_TARGET = 1.01
 ELEMENTWISE_TARGETS = {"zero0": 1.10, "zero1": 1.10, "zero2": 1.10, "zero3": 1.25}
-DIM = 64  # the bench model's width; docs/performance.md records width 256 ('The targets')
-SMALL_BUCKET = 5000  # elements: below the model's larger parameters (12,288 and 16,384), so they split over buckets
-#: The depths asserted: 16 layers are traced, not compiled (``--no-compile``): compiling every system's 16-layer step
-#: graph, fp32 and bf16, takes about 6 minutes of CPU.
-DEPTHS = (2, 16)
-
-
-def _counted_cases(tmp_path, name, *flags) -> list:
-    """``python -m deepspeed_xla.bench.step_graphs`` on the bench's model at width ``DIM`` with ``flags``."""
-    out = tmp_path / f"{name}.json"
-    proc = run_command([sys.executable, "-m", "deepspeed_xla.bench.step_graphs", "--workdir", str(tmp_path / name),
-                        "--out", str(out), "--dim", str(DIM), *flags], 1800, cwd=REPO, env=clean_env())
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
-    return json.loads(out.read_text())
-
-
-@pytest.fixture(scope="module")
-def step_graph_cases(tmp_path_factory):
-    """The floor and ZeRO 0-3, fp32 and bf16: traced at ``DEPTHS`` and executed at 2 layers (one process per system,
-    a child per case); and ZeRO 1-3 at 2 layers in fp32 with ``reduce_bucket_size`` below the largest parameters."""
-    tmp_path = tmp_path_factory.mktemp("step_graphs")
-    return {"traced": _counted_cases(tmp_path, "traced", "--no-compile", "--layers", *map(str, DEPTHS)),
-            "executed": _counted_cases(tmp_path, "executed", "--layers", "2"),
-            "small_bucket": _counted_cases(tmp_path, "small_bucket", "--systems", "zero1", "zero2", "zero3",
-                                           "--dtypes", "fp32", "--layers", "2", "--zero",
-                                           f"reduce_bucket_size={SMALL_BUCKET}")}
-
-
 def _by_case(rows: list) -> dict:
     return {(r["system"], r["dtype"], r["layers"]): r for r in rows}
 
@@ -253,7 +227,7 @@ def test_a_traced_step_graph_is_the_executed_one(step_graph_cases):
     graph is the one of the graph a compiled run executes, at every system and dtype."""
     traced = _by_case(step_graph_cases["traced"])
     for case, executed in _by_case(step_graph_cases["executed"]).items():
-        assert traced[case] == executed, case
+        assert traced[case] == {key: executed[key] for key in traced[case]}, case  # and its StableHLO besides
 
 
 def test_traced_floor_dot_flops_are_the_analytic_model(step_graph_cases):

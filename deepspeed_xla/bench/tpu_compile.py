@@ -1,0 +1,150 @@
+"""``python -m deepspeed_xla.bench --tpu-compile v5e,v5p,v6e``: what the TPU compiler says of the step graphs.
+
+torch_xla traces each case's step graph here (``bench.step_graphs --stablehlo``: the floor and ZeRO 0–3, fp32 and
+bf16, one process) and each stage's graphs of a 2-stage pipeline (``bench.stage_graphs``), and writes them as
+StableHLO; libtpu, in a compile-only venv of its own (``requirements-compile.txt``, built on demand by
+``scripts/setup_compile_env.sh``), compiles them for a named chip without one (``bench/tpu_compiler.py``, run as a
+subprocess: libtpu and torch_xla cannot share a process). Reported per graph and chip: the compile time, the HBM a
+chip needs (arguments, outputs, aliased, temporaries, code), the FLOPs and bytes of XLA's cost analysis, libtpu's
+time estimate and the MFU it implies. A step graph carries the buffer donors torch_xla's own compile gives XLA
+(parameters and optimizer state updated in place), read from the XLA dump of the same graph compiled here, so its
+aliased bytes are those of a real run (none with ``--trace-only``, nor for the stages' graphs).
+"""
+import argparse
+import json
+import os
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import List, Optional
+
+from deepspeed_xla.bench import stage_graphs, step_graphs
+from deepspeed_xla.bench.roofline import TPUS
+from deepspeed_xla.bench.systems import flops_per_token
+
+COMPILER = Path(__file__).with_name("tpu_compiler.py")
+
+
+@dataclass
+class Graph:
+    """One StableHLO module to compile: ``name`` says which case it is, ``replicas`` the chips it runs on."""
+    name: str
+    path: str
+    replicas: int = 1
+
+
+def compile_python(repo: Path) -> str:
+    """The compile-only venv's python: ``DSX_COMPILE_PYTHON``, else built (or found) by the checkout's
+    ``scripts/setup_compile_env.sh``."""
+    if os.environ.get("DSX_COMPILE_PYTHON"):
+        return os.environ["DSX_COMPILE_PYTHON"]
+    script = repo / "scripts" / "setup_compile_env.sh"
+    proc = subprocess.run(["bash", str(script)], stdout=subprocess.PIPE, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{script} could not build the compile-only venv (exit code {proc.returncode}): see its "
+                         "output above, or point DSX_COMPILE_PYTHON at a python with jax[tpu] installed")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def compile_graphs(graphs: List[Graph], chips: List[str], python: str, workdir: Path,
+                   timeout: float = 3600) -> List[dict]:
+    """Every graph compiled for every chip by libtpu in ``python`` (one subprocess): a result per graph and chip,
+    in that order, the figures or the compiler's ``error``."""
+    job, out = workdir / "tpu_compile_job.json", workdir / "tpu_compile_out.json"
+    job.write_text(json.dumps({"chips": chips, "graphs": [asdict(graph) for graph in graphs]}))
+    env = {key: value for key, value in os.environ.items()  # this venv's paths and PJRT CPU's flags are not libtpu's
+           if key not in ("PYTHONPATH", "XLA_FLAGS", "PJRT_DEVICE") and not key.startswith("TPU_")}
+    with open(workdir / "tpu_compile.log", "w") as log:
+        code = subprocess.run([python, str(COMPILER), str(job), str(out)], env=env, stdout=log,
+                              stderr=subprocess.STDOUT, timeout=timeout).returncode
+    if code:
+        raise SystemExit(f"the TPU compiler's process failed (exit code {code}): see {workdir / 'tpu_compile.log'}")
+    return json.loads(out.read_text())
+
+
+def refusals(results: List[dict]) -> List[str]:
+    """One line per graph and chip the compiler refused, naming both."""
+    return [f"{r['graph']} on {r['chip']}: {r['error'].splitlines()[0]}" for r in results if "error" in r]
+
+
+def estimate(result: dict) -> dict:
+    """libtpu's time estimate, which comes back negative when instructions have no cost model: −1 s for each of
+    them plus the estimate of the rest. The modelled seconds, and how many instructions it leaves out."""
+    seconds = result["cost"].get("optimal_seconds")
+    if seconds is None:
+        return {"seconds": None, "unmodelled": None}
+    unmodelled = max(0, -int(seconds // 1)) if seconds < 0 else 0
+    return {"seconds": seconds + unmodelled, "unmodelled": unmodelled}
+
+
+def report_rows(cases: List[dict], results: List[dict], model_flops: Optional[float]) -> List[dict]:
+    """A row per case and chip: the case, the compiler's figures, and the MFU that libtpu's estimate implies for
+    ``model_flops`` (the analytic FLOPs of the step's tokens; None: a graph that is part of a step) at the chip's
+    bf16 peak."""
+    by_name = {case["name"]: case for case in cases}
+    rows = []
+    for result in results:
+        row = dict(by_name[result["graph"]], **result)
+        if "error" not in result:
+            row.update(estimate(result))
+            peak = TPUS[result["chip"]].peak_bf16_flops
+            row["mfu"] = model_flops / (row["seconds"] * peak) if row["seconds"] and model_flops else None
+        rows.append(row)
+    return rows
+
+
+def render(rows: List[dict]) -> str:
+    """The table: MB per chip, GFLOP and GB of XLA's cost analysis, libtpu's estimate in µs."""
+    header = (f"{'case':20} {'chip':4} {'compile s':>9} {'args MB':>9} {'out MB':>8} {'alias MB':>8} {'temp MB':>8} "
+              f"{'code MB':>7} {'GFLOP':>9} {'GB moved':>8} {'est. us':>9} {'unmod.':>6} {'MFU':>6}")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        case = f"{row['system']} {row['dtype']}"
+        if "error" in row:
+            lines.append(f"{case:20} {row['chip']:4} refused: {row['error'].splitlines()[0][:100]}")
+            continue
+        memory, cost = row["memory"], row["cost"]
+        mb = [memory[key] / 2 ** 20 for key in ("argument_size_in_bytes", "output_size_in_bytes",
+                                                 "alias_size_in_bytes", "temp_size_in_bytes",
+                                                 "generated_code_size_in_bytes")]
+        mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        lines.append(f"{case:20} {row['chip']:4} {row['compile_s']:9.1f} {mb[0]:9.2f} {mb[1]:8.2f} {mb[2]:8.2f} "
+                     f"{mb[3]:8.2f} {mb[4]:7.2f} {cost['flops'] / 1e9:9.3f} {cost['bytes accessed'] / 1e9:8.3f} "
+                     f"{row['seconds'] * 1e6:9.1f} {row['unmodelled']:6d} {mfu:>6}")
+    return "\n".join(lines)
+
+
+def parse_chips(text: str) -> List[str]:
+    """``--tpu-compile``'s comma-separated TPU generations."""
+    chips = [chip.strip() for chip in text.split(",") if chip.strip()]
+    unknown = [chip for chip in chips if chip not in TPUS]
+    if unknown or not chips:
+        raise argparse.ArgumentTypeError(f"unknown TPU generation {','.join(unknown) or text!r}: name some of "
+                                          f"{','.join(sorted(TPUS))}, e.g. --tpu-compile v5e,v5p")
+    return chips
+
+
+def run(args: argparse.Namespace, train_script: Path, workdir: Path) -> int:
+    """Trace the floor and ZeRO 0–3 in fp32 and bf16 at the bench's model, and the stages of a 2-stage pipeline of it;
+    compile each step graph and stage graph for every chip of ``args.tpu_compile``, print the tables (and write them
+    as JSON to ``args.out``); 1 if a graph was refused."""
+    flags = ["--stablehlo", "--layers", str(args.layers), "--dim", str(args.dim), "--seq", str(args.seq), "--batch",
+             str(args.batch), "--vocab", str(args.vocab), "--clip", str(args.clip), "--seed", str(args.seed),
+             "--train-script", str(train_script)] + ["--no-compile"] * args.trace_only
+    steps = step_graphs.count_systems(step_graphs.parse_args(flags), workdir)
+    stages = [case for dtype in step_graphs.DTYPES for case in stage_graphs.trace_stages(args, train_script, workdir,
+                                                                                         dtype)]
+    graphs = [Graph(case["name"], case["stablehlo"]) for case in steps + stages]
+    results = compile_graphs(graphs, args.tpu_compile, compile_python(train_script.parents[1]), workdir)
+    model_flops = flops_per_token(args.dim, args.layers, args.vocab, args.seq) * args.batch * args.seq
+    rows = report_rows(steps, results[:len(steps) * len(args.tpu_compile)], model_flops)
+    stage_rows = report_rows(stages, results[len(steps) * len(args.tpu_compile):], None)
+    print(f"TinyGPT dim {args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, vocab {args.vocab}; "
+          f"libtpu's compile-only client, figures per chip\n\nStep graphs, one process:\n{render(rows)}\n\n"
+          f"Pipeline stages (2 processes, {stage_graphs.MICRO_BATCHES} micro-batches; gNxK: graph N, run K times "
+          f"a step):\n{render(stage_rows)}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"model": {"dim": args.dim, "layers": args.layers, "seq": args.seq,
+                                                       "batch": args.batch, "vocab": args.vocab},
+                                             "steps": rows, "stages": stage_rows}, indent=1))
+    return 1 if refusals(results) else 0
