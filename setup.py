@@ -51,6 +51,8 @@ setup(
     long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["deepspeed_xla", "deepspeed_xla.*"]),
+    # the GPU descriptions XLA's GPU compiler reads for --gpu-compile (bench/tpu_compile.py)
+    package_data={"deepspeed_xla.bench": ["gpu_targets/*.txtpb"]},
     python_requires=">=3.10",
     install_requires=[
         "torch==2.9.0",

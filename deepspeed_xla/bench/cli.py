@@ -52,9 +52,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="instead of training: compile the step graph of the floor and ZeRO 0-3, fp32 and bf16, "
                              "at this model with libtpu for these TPU generations (e.g. v5e,v5p,v6e), without a TPU, "
                              "and report its memory, FLOPs, bytes, libtpu's time estimate and MFU per chip")
+    parser.add_argument("--gpu-compile", type=tpu_compile.parse_gpus, metavar="GPUS",
+                        help="as --tpu-compile (or besides it), with XLA's GPU compiler for these NVIDIA GPUs "
+                             "(h100, a100), without a GPU: memory, FLOPs and bytes per GPU, no time estimate")
     parser.add_argument("--trace-only", action="store_true",
-                        help="with --tpu-compile: trace the step graphs without compiling them here (a large model); "
-                             "they then carry no buffer donors, so nothing is aliased")
+                        help="with --tpu-compile or --gpu-compile: trace the step graphs without compiling them here "
+                             "(a large model); they then carry no buffer donors, so nothing is aliased")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--png", help="draw step times and tokens/s into this PNG (needs matplotlib)")
     parser.add_argument("--train-script", help="scripts/train.py of a deepspeed-xla checkout (default: found)")
@@ -86,7 +89,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device_type = current_device_type()  # writes PJRT_DEVICE for the children; never starts the runtime
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ds_xla_bench_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    if args.tpu_compile:
+    if args.tpu_compile or args.gpu_compile:
         return tpu_compile.run(args, train_script, workdir)
     load_start = os.getloadavg()[0]
     peak_flops = device_type.peak_bf16_flops()

@@ -1,4 +1,5 @@
-"""``python -m deepspeed_xla.bench --tpu-compile v5e,v5p,v6e``: what the TPU compiler says of the step graphs.
+"""``python -m deepspeed_xla.bench --tpu-compile v5e,v5p,v6e --gpu-compile h100,a100``: what the TPU compiler and
+XLA's GPU compiler say of the step graphs.
 
 torch_xla traces each case's step graph here (``bench.step_graphs --stablehlo``: the floor and ZeRO 0–3, fp32 and
 bf16, one process) and each stage's graphs of a 2-stage pipeline (``bench.stage_graphs``), and writes them as
@@ -6,7 +7,9 @@ StableHLO; libtpu, in a compile-only venv of its own (``requirements-compile.txt
 ``scripts/setup_compile_env.sh``), compiles them for a named chip without one (``bench/tpu_compiler.py``, run as a
 subprocess: libtpu and torch_xla cannot share a process). Reported per graph and chip: the compile time, the HBM a
 chip needs (arguments, outputs, aliased, temporaries, code), the FLOPs and bytes of XLA's cost analysis, libtpu's
-time estimate and the MFU it implies. A step graph carries the buffer donors torch_xla's own compile gives XLA
+time estimate and the MFU it implies. XLA's GPU compiler, in the same venv and process, compiles them for an H100 or
+A100 without one (``GPU_TARGETS``): memory and XLA's cost analysis of the optimised HLO, no time estimate. A step graph
+carries the buffer donors torch_xla's own compile gives XLA
 (parameters and optimizer state updated in place), read from the XLA dump of the same graph compiled here, so its
 aliased bytes are those of a real run (none with ``--trace-only``, nor for the stages' graphs).
 """
@@ -23,6 +26,10 @@ from deepspeed_xla.bench.roofline import TPUS
 from deepspeed_xla.bench.systems import flops_per_token
 
 COMPILER = Path(__file__).with_name("tpu_compiler.py")
+#: the GPUs XLA's GPU compiler targets without one: their GpuTargetConfigProto, as in openxla/xla's
+#: xla/backends/gpu/target_config/specs/
+GPU_TARGETS = {"h100": Path(__file__).with_name("gpu_targets") / "h100_sxm.txtpb",
+               "a100": Path(__file__).with_name("gpu_targets") / "a100_sxm_80.txtpb"}
 
 
 @dataclass
@@ -48,10 +55,11 @@ def compile_python(repo: Path) -> str:
 
 def compile_graphs(graphs: List[Graph], chips: List[str], python: str, workdir: Path,
                    timeout: float = 3600) -> List[dict]:
-    """Every graph compiled for every chip by libtpu in ``python`` (one subprocess): a result per graph and chip,
-    in that order, the figures or the compiler's ``error``."""
+    """Every graph compiled for every chip (a TPU generation, or a GPU of ``GPU_TARGETS``) in ``python`` (one
+    subprocess): a result per graph and chip, in that order, the figures or the compiler's ``error``."""
     job, out = workdir / "tpu_compile_job.json", workdir / "tpu_compile_out.json"
-    job.write_text(json.dumps({"chips": chips, "graphs": [asdict(graph) for graph in graphs]}))
+    gpus = {chip: str(GPU_TARGETS[chip]) for chip in chips if chip in GPU_TARGETS}
+    job.write_text(json.dumps({"chips": chips, "gpu_targets": gpus, "graphs": [asdict(graph) for graph in graphs]}))
     env = {key: value for key, value in os.environ.items()  # this venv's paths and PJRT CPU's flags are not libtpu's
            if key not in ("PYTHONPATH", "XLA_FLAGS", "PJRT_DEVICE") and not key.startswith("TPU_")}
     with open(workdir / "tpu_compile.log", "w") as log:
@@ -80,21 +88,22 @@ def estimate(result: dict) -> dict:
 def report_rows(cases: List[dict], results: List[dict], model_flops: Optional[float]) -> List[dict]:
     """A row per case and chip: the case, the compiler's figures, and the MFU that libtpu's estimate implies for
     ``model_flops`` (the analytic FLOPs of the step's tokens; None: a graph that is part of a step) at the chip's
-    bf16 peak."""
+    bf16 peak (a GPU has no estimate)."""
     by_name = {case["name"]: case for case in cases}
     rows = []
     for result in results:
         row = dict(by_name[result["graph"]], **result)
         if "error" not in result:
             row.update(estimate(result))
-            peak = TPUS[result["chip"]].peak_bf16_flops
-            row["mfu"] = model_flops / (row["seconds"] * peak) if row["seconds"] and model_flops else None
+            seconds = row["seconds"]
+            peak = TPUS[row["chip"]].peak_bf16_flops if seconds else None
+            row["mfu"] = model_flops / (seconds * peak) if seconds and model_flops else None
         rows.append(row)
     return rows
 
 
 def render(rows: List[dict]) -> str:
-    """The table: MB per chip, GFLOP and GB of XLA's cost analysis, libtpu's estimate in µs."""
+    """The table: MB per chip, GFLOP and GB of XLA's cost analysis, libtpu's estimate in µs ('-': a GPU's)."""
     header = (f"{'case':20} {'chip':4} {'compile s':>9} {'args MB':>9} {'out MB':>8} {'alias MB':>8} {'temp MB':>8} "
               f"{'code MB':>7} {'GFLOP':>9} {'GB moved':>8} {'est. us':>9} {'unmod.':>6} {'MFU':>6}")
     lines = [header, "-" * len(header)]
@@ -108,26 +117,38 @@ def render(rows: List[dict]) -> str:
                                                  "alias_size_in_bytes", "temp_size_in_bytes",
                                                  "generated_code_size_in_bytes")]
         mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        estimate_us = "-" if row["seconds"] is None else f"{row['seconds'] * 1e6:.1f}"
+        unmodelled = "-" if row["unmodelled"] is None else str(row["unmodelled"])
         lines.append(f"{case:20} {row['chip']:4} {row['compile_s']:9.1f} {mb[0]:9.2f} {mb[1]:8.2f} {mb[2]:8.2f} "
                      f"{mb[3]:8.2f} {mb[4]:7.2f} {cost['flops'] / 1e9:9.3f} {cost['bytes accessed'] / 1e9:8.3f} "
-                     f"{row['seconds'] * 1e6:9.1f} {row['unmodelled']:6d} {mfu:>6}")
+                     f"{estimate_us:>9} {unmodelled:>6} {mfu:>6}")
     return "\n".join(lines)
+
+
+def _parse(text: str, known: dict, what: str, example: str) -> List[str]:
+    chips = [chip.strip() for chip in text.split(",") if chip.strip()]
+    unknown = [chip for chip in chips if chip not in known]
+    if unknown or not chips:
+        raise argparse.ArgumentTypeError(f"unknown {what} {','.join(unknown) or text!r}: name some of "
+                                          f"{','.join(sorted(known))}, e.g. {example}")
+    return chips
 
 
 def parse_chips(text: str) -> List[str]:
     """``--tpu-compile``'s comma-separated TPU generations."""
-    chips = [chip.strip() for chip in text.split(",") if chip.strip()]
-    unknown = [chip for chip in chips if chip not in TPUS]
-    if unknown or not chips:
-        raise argparse.ArgumentTypeError(f"unknown TPU generation {','.join(unknown) or text!r}: name some of "
-                                          f"{','.join(sorted(TPUS))}, e.g. --tpu-compile v5e,v5p")
-    return chips
+    return _parse(text, TPUS, "TPU generation", "--tpu-compile v5e,v5p")
+
+
+def parse_gpus(text: str) -> List[str]:
+    """``--gpu-compile``'s comma-separated GPUs."""
+    return _parse(text, GPU_TARGETS, "GPU", "--gpu-compile h100,a100")
 
 
 def run(args: argparse.Namespace, train_script: Path, workdir: Path) -> int:
     """Trace the floor and ZeRO 0–3 in fp32 and bf16 at the bench's model, and the stages of a 2-stage pipeline of it;
-    compile each step graph and stage graph for every chip of ``args.tpu_compile``, print the tables (and write them
-    as JSON to ``args.out``); 1 if a graph was refused."""
+    compile each step graph and stage graph for every chip of ``args.tpu_compile`` and ``args.gpu_compile``, print the
+    tables (and write them as JSON to ``args.out``); 1 if a graph was refused."""
+    chips = (args.tpu_compile or []) + (args.gpu_compile or [])
     flags = ["--stablehlo", "--layers", str(args.layers), "--dim", str(args.dim), "--seq", str(args.seq), "--batch",
              str(args.batch), "--vocab", str(args.vocab), "--clip", str(args.clip), "--seed", str(args.seed),
              "--train-script", str(train_script)] + ["--no-compile"] * args.trace_only
@@ -135,12 +156,13 @@ def run(args: argparse.Namespace, train_script: Path, workdir: Path) -> int:
     stages = [case for dtype in step_graphs.DTYPES for case in stage_graphs.trace_stages(args, train_script, workdir,
                                                                                          dtype)]
     graphs = [Graph(case["name"], case["stablehlo"]) for case in steps + stages]
-    results = compile_graphs(graphs, args.tpu_compile, compile_python(train_script.parents[1]), workdir)
+    results = compile_graphs(graphs, chips, compile_python(train_script.parents[1]), workdir)
     model_flops = flops_per_token(args.dim, args.layers, args.vocab, args.seq) * args.batch * args.seq
-    rows = report_rows(steps, results[:len(steps) * len(args.tpu_compile)], model_flops)
-    stage_rows = report_rows(stages, results[len(steps) * len(args.tpu_compile):], None)
+    rows = report_rows(steps, results[:len(steps) * len(chips)], model_flops)
+    stage_rows = report_rows(stages, results[len(steps) * len(chips):], None)
     print(f"TinyGPT dim {args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, vocab {args.vocab}; "
-          f"libtpu's compile-only client, figures per chip\n\nStep graphs, one process:\n{render(rows)}\n\n"
+          f"compile-only clients (libtpu, XLA's GPU compiler), figures per chip\n\nStep graphs, one process:\n"
+          f"{render(rows)}\n\n"
           f"Pipeline stages (2 processes, {stage_graphs.MICRO_BATCHES} micro-batches; gNxK: graph N, run K times "
           f"a step):\n{render(stage_rows)}", flush=True)
     if args.out:

@@ -1,4 +1,5 @@
-"""The TPU compiler without a TPU: StableHLO modules compiled by libtpu for named chips, their figures as JSON.
+"""The TPU and GPU compilers without the chips: StableHLO modules compiled by libtpu for named TPUs and by XLA's GPU
+compiler for named NVIDIA GPUs (deviceless, cubins from ptxas), their figures as JSON.
 
 Run by the compile-only venv's python (``scripts/setup_compile_env.sh``), never imported by the package: it imports
 JAX alone (no torch, no deepspeed_xla), since libtpu and torch_xla's TPU build cannot share a process.
@@ -6,11 +7,13 @@ JAX alone (no torch, no deepspeed_xla), since libtpu and torch_xla's TPU build c
 
     python tpu_compiler.py JOB.json OUT.json
 
-JOB: ``{"chips": ["v5e", ...], "graphs": [{"name": ..., "path": "step.mlir", "replicas": 1}, ...]}``. OUT: one entry
-per graph and chip, its compile seconds, ``get_compiled_memory_stats()`` per chip and ``cost_analysis()``, or the
-compiler's refusal (``error``). JAX's compile-only client compiles for a topology's devices; a 1-chip topology is
-refused by libtpu, so a graph of one replica is compiled for the first device of the smallest slice
-(docs/performance.md, 'What the TPU compiler says').
+JOB: ``{"chips": ["v5e", "h100", ...], "gpu_targets": {"h100": "h100_sxm.txtpb", ...}, "graphs": [{"name": ...,
+"path": "step.mlir", "replicas": 1}, ...]}``; a chip in ``gpu_targets`` is a GPU described by that
+GpuTargetConfigProto file. OUT: one entry per graph and chip, its compile seconds, ``get_compiled_memory_stats()`` per
+chip and XLA's cost analysis, or the compiler's refusal (``error``). JAX's compile-only client compiles for a
+topology's devices; a 1-chip topology is refused by libtpu, so a graph of one replica is compiled for the first device
+of the smallest slice (docs/performance.md, 'What the TPU compiler says'). A GPU executable has no cost analysis
+without a device, so XLA's generic one is run over its optimised (fused) HLO: FLOPs and bytes, no time estimate.
 """
 import json
 import os
@@ -29,8 +32,16 @@ MEMORY = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes
 COST = ("flops", "bytes accessed", "transcendentals", "optimal_seconds", "utilization")
 
 
-def _devices(chip: str, replicas: int, topologies: dict) -> list:
+def _devices(chip: str, replicas: int, topologies: dict, gpu_targets: dict) -> list:
     from jax.experimental import topologies as jax_topologies
+    if chip in gpu_targets:  # partitions x hosts x GPUs per host
+        name = f"{chip}:1x1x{replicas}"
+        if name not in topologies:
+            with open(gpu_targets[chip]) as handle:
+                topologies[name] = jax_topologies.get_topology_desc(platform="cuda", topology_name="",
+                                                                    topology=f"1x1x{replicas}",
+                                                                    target_config=handle.read())
+        return list(topologies[name].devices)
     for name in TOPOLOGIES[chip]:
         if name not in topologies:
             topologies[name] = jax_topologies.get_topology_desc(platform="tpu", topology_name=name)
@@ -39,7 +50,13 @@ def _devices(chip: str, replicas: int, topologies: dict) -> list:
     raise ValueError(f"no {chip} slice of {replicas} chips here: the largest is {TOPOLOGIES[chip][-1]}")
 
 
-def compile_one(text: str, chip: str, replicas: int, topologies: dict) -> dict:
+def _gpu_cost(executable) -> dict:
+    import jax
+    from jax._src.lib import _jax
+    return _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, executable.hlo_modules()[0])
+
+
+def compile_one(text: str, chip: str, replicas: int, topologies: dict, gpu_targets: dict) -> dict:
     """One module compiled for ``replicas`` chips of ``chip``: its figures, or the compiler's refusal."""
     from jax._src import compiler
     from jax._src.interpreters import mlir
@@ -47,7 +64,7 @@ def compile_one(text: str, chip: str, replicas: int, topologies: dict) -> dict:
     from jax._src.lib.mlir import ir
     began = time.monotonic()
     try:
-        devices = _devices(chip, replicas, topologies)
+        devices = _devices(chip, replicas, topologies, gpu_targets)
         with mlir.make_ir_context():
             module = ir.Module.parse(text)
             options = compiler.get_compile_options(num_replicas=replicas, num_partitions=1)
@@ -57,7 +74,7 @@ def compile_one(text: str, chip: str, replicas: int, topologies: dict) -> dict:
         return {"error": f"{type(error).__name__}: {error}"}
     seconds = time.monotonic() - began
     stats = executable.get_compiled_memory_stats()
-    analysis = executable.cost_analysis()
+    analysis = _gpu_cost(executable) if chip in gpu_targets else executable.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
     return {"compile_s": seconds, "memory": {key: int(getattr(stats, key)) for key in MEMORY},
             "cost": {key: float(analysis[key]) for key in COST if key in analysis}}
@@ -72,8 +89,8 @@ def main(job_path: str, out_path: str) -> int:
         with open(graph["path"]) as handle:
             text = handle.read()
         for chip in job["chips"]:
-            results.append(dict(compile_one(text, chip, graph.get("replicas", 1), topologies), graph=graph["name"],
-                                chip=chip))
+            result = compile_one(text, chip, graph.get("replicas", 1), topologies, job.get("gpu_targets", {}))
+            results.append(dict(result, graph=graph["name"], chip=chip))
             print(f"{graph['name']} {chip}: {results[-1].get('error') or 'compiled'}", file=sys.stderr, flush=True)
             with open(out_path, "w") as handle:  # after each: a long job stopped keeps what it compiled
                 json.dump(results, handle)
