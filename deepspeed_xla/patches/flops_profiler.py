@@ -18,6 +18,7 @@ import re
 _MODULE_LATENCY = re.compile(r", [^,]* = [^,]*% latency, [^,)]*FLOPS")
 _AGGREGATED_LATENCY = re.compile(r"(    fwd latency - ).*")
 NOT_MEASURED = "latency not measured on XLA"
+_TIMED_STEP = "_dsx_timed_step"  # set on the engine at each forward: whether its step is timed on the device
 NOTE = ("deepspeed_xla: fwd, bwd and step latencies are the device's on this step: the engine's timers waited for "
         "the device at each boundary (this step and the one before it ran the step as three graphs, compiled on the "
         "step before). Per-module latencies are not measured on XLA: timing a module needs the graph cut at its "
@@ -31,9 +32,13 @@ def _timed_step(engine) -> bool:
     return engine.global_steps in (engine.flops_profiler_profile_step() - 1, engine.flops_profiler_profile_step())
 
 
-def _boundary(engine, timer_names) -> bool:
+def _wait_at_a_timed_boundary(engine, timer_names) -> None:
+    """On a timed step, wait for the device where the forward, backward or step timers start or stop."""
     timers = engine.engine_timers
-    return any(timer_names is group for group in (timers.forward_timers, timers.backward_timers, timers.step_timers))
+    if engine.__dict__.get(_TIMED_STEP) and any(timer_names is group for group in (
+            timers.forward_timers, timers.backward_timers, timers.step_timers)):
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().synchronize()
 
 
 def start_timers_on_the_device(original):
@@ -44,10 +49,8 @@ def start_timers_on_the_device(original):
     @functools.wraps(original)
     def start_timers(self, timer_names):
         if timer_names is self.engine_timers.forward_timers:
-            self.__dict__["_dsx_timed_step"] = _timed_step(self)
-        if self.__dict__.get("_dsx_timed_step") and _boundary(self, timer_names):
-            from deepspeed.accelerator import get_accelerator
-            get_accelerator().synchronize()
+            self.__dict__[_TIMED_STEP] = _timed_step(self)
+        _wait_at_a_timed_boundary(self, timer_names)
         return original(self, timer_names)
 
     return start_timers
@@ -59,9 +62,7 @@ def stop_timers_on_the_device(original):
 
     @functools.wraps(original)
     def stop_timers(self, timer_names):
-        if self.__dict__.get("_dsx_timed_step") and _boundary(self, timer_names):
-            from deepspeed.accelerator import get_accelerator
-            get_accelerator().synchronize()
+        _wait_at_a_timed_boundary(self, timer_names)
         return original(self, timer_names)
 
     return stop_timers
