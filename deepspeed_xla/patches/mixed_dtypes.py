@@ -15,6 +15,11 @@ MIXED = ("deepspeed_xla: {layer} got a {input} input, but its weight is {weight}
          "compute in bfloat16 with \"torch_autocast\": {{\"enabled\": true, \"dtype\": \"bfloat16\"}}.")
 
 
+def _autocast(device_type: str) -> bool:
+    import torch  # here, on the rare mismatch only: this module imports no torch, and every forward passes above
+    return torch.is_autocast_enabled(device_type)
+
+
 def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -26,10 +31,9 @@ def linear_refuses_mixed_dtypes(original):
 
     @functools.wraps(original)
     def forward(self, input):
-        import torch
         weight = self.weight
         if (input.dtype != weight.dtype and input.is_floating_point() and weight.is_floating_point()
-                and input.device.type == "xla" and not torch.is_autocast_enabled(input.device.type)):
+                and input.device.type == "xla" and not _autocast("xla")):
             raise RuntimeError(MIXED.format(layer=f"{type(self).__name__}({self.in_features} -> {self.out_features})",
                                             input=_name(input.dtype), weight=_name(weight.dtype)))
         return original(self, input)
