@@ -35,7 +35,8 @@ beside_venv() {
 }
 # The oldest supported Hugging Face releases (deepspeed_xla/patches/registry.py, SUPPORTED), for the smoke runs of
 # tests/launched/test_huggingface_oldest.py only. The venv itself holds the newest (requirements.txt).
-HF_OLDEST_SET="$(python -c "from deepspeed_xla.patches.registry import oldest_requirements; print(*oldest_requirements())")"
+HF_OLDEST_SET="$(python -c \
+  "from deepspeed_xla.patches.registry import oldest_requirements; print(*oldest_requirements())")"
 DSX_HF_OLDEST="$(beside_venv hf-oldest $HF_OLDEST_SET)"
 # The [cuda] extra (deepspeed_xla/devices/cuda/wheels.py: the CUDA PJRT plugin and nvcc), for tests/devices/test_cuda.py
 # only: the CPU venv (requirements.txt) does not hold it.

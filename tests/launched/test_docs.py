@@ -159,8 +159,8 @@ def test_every_shell_block_has_a_known_tag():
 
 
 def test_readme_main_command_trains_and_plots(tmp_path):
-    """``bash scripts/run_example.sh`` as the README gives it: 2 processes, 20 steps, a PNG, a falling loss, and
-    an output without library noise (``DS_XLA_VERBOSE`` brings gloo's lines back: ``tests/comm/test_host_staged.py``)."""
+    """``bash scripts/run_example.sh`` as the README gives it: 2 processes, 20 steps, a PNG, a falling loss, and an
+    output without library noise (``DS_XLA_VERBOSE`` brings gloo's lines back: ``tests/comm/test_host_staged.py``)."""
     main = [b for b in SHELL_BLOCKS if b.path.name == "README.md" and b.tag == "cpu" and _is_main_command(b)]
     assert main, f"README.md has no ```bash cpu block with `{MAIN_COMMAND}` (the main command)"
     env = block_env(main[0].text, tmp_path)
