@@ -14,13 +14,18 @@ PTH = "deepspeed_xla.pth"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _standalone(*path: str):
+    """A module of the package that imports only the standard library, loaded before its dependencies exist."""
+    spec = importlib.util.spec_from_file_location("_dsx_" + path[-1][:-3], os.path.join(HERE, "deepspeed_xla", *path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def hf_requirements():
     """The ``hf`` extra: the Hugging Face releases the patches are tested with, from the patch table
-    (``deepspeed_xla/patches/registry.py``, standard library only, so it loads without the package's dependencies)."""
-    spec = importlib.util.spec_from_file_location("_dsx_registry", os.path.join(HERE, "deepspeed_xla", "patches",
-                                                                              "registry.py"))
-    registry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(registry)
+    (``deepspeed_xla/patches/registry.py``)."""
+    registry = _standalone("patches", "registry.py")
     return [registry.requirement(name) for name in registry.SUPPORTED]
 
 
@@ -64,8 +69,8 @@ setup(
     extras_require={
         "tpu": ["torch_xla[tpu]==2.9.0"],
         # NVIDIA GPUs: JAX's CUDA 12 PJRT plugin library (JAX itself is not needed) and the ptxas/libdevice XLA
-        # compiles with; torch 2.9.0 brings the other CUDA 12.8 libraries.
-        "cuda": ["jax-cuda12-pjrt==0.7.1", "nvidia-cuda-nvcc-cu12==12.8.93"],
+        # compiles with (deepspeed_xla/devices/cuda/wheels.py); torch 2.9.0 brings the other CUDA 12.8 libraries.
+        "cuda": _standalone("devices", "cuda", "wheels.py").requirements(),
         # DeepSpeed asks mpi4py for ranks where mpirun starts a script without the deepspeed runner.
         "mpi": ["mpi4py"],
         # The Trainer with --deepspeed, accelerate launch and PEFT (docs/huggingface.md): the lowest to the highest

@@ -23,6 +23,8 @@ fi
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 set -euo pipefail
 cd "$DSX_ROOT"
+# The [cuda] extra (the CUDA PJRT plugin and nvcc: deepspeed_xla/devices/cuda/wheels.py), which the CPU venv lacks.
+env -u DS_ACCELERATOR pip install -q "$DSX_ROOT[cuda]"
 
 # deepspeed_xla's own view: the GPUs this process may use (CUDA_VISIBLE_DEVICES included) and the plugin wheel.
 PJRT_DEVICE=CUDA python - "$NUM_PROCS" <<'EOF'

@@ -21,17 +21,28 @@ for builder in (ShareMemCommBuilder, FusedAdamBuilder, CPUAdamBuilder):
 "
   echo "$TORCH_EXTENSIONS_DIR" > "$DSX_OPS_MARKER"
 fi
+# beside_venv NAME REQUIREMENT...: installs the requirements without dependencies into a folder of the venv keyed on
+# them (once) and prints it. Tests that need them put it first on PYTHONPATH; the venv itself does not hold them.
+beside_venv() {
+  local folder
+  folder="$DSX_VENV/$1-$(echo "${*:2}" | sha256sum | cut -c1-12)"
+  if [ ! -f "$folder/.complete" ]; then
+    rm -rf "$folder"
+    pip install -q --no-deps --target "$folder" "${@:2}" >&2 || return 1
+    touch "$folder/.complete"
+  fi
+  echo "$folder"
+}
 # The oldest supported Hugging Face releases (deepspeed_xla/patches/registry.py, SUPPORTED), for the smoke runs of
-# tests/launched/test_huggingface_oldest.py only: installed without dependencies into a folder of the venv keyed on
-# them, which those runs put first on PYTHONPATH. The venv itself holds the newest (requirements.txt).
-DSX_HF_OLDEST_SET="$(python -c \
+# tests/launched/test_huggingface_oldest.py only. The venv itself holds the newest (requirements.txt).
+HF_OLDEST_SET="$(python -c \
   "from deepspeed_xla.patches.registry import oldest_requirements; print(*oldest_requirements())")"
-export DSX_HF_OLDEST="$DSX_VENV/hf-oldest-$(echo "$DSX_HF_OLDEST_SET" | sha256sum | cut -c1-12)"
-if [ ! -f "$DSX_HF_OLDEST/.complete" ]; then
-  rm -rf "$DSX_HF_OLDEST"
-  pip install -q --no-deps --target "$DSX_HF_OLDEST" $DSX_HF_OLDEST_SET
-  touch "$DSX_HF_OLDEST/.complete"
-fi
+DSX_HF_OLDEST="$(beside_venv hf-oldest $HF_OLDEST_SET)"
+# The [cuda] extra (deepspeed_xla/devices/cuda/wheels.py: the CUDA PJRT plugin and nvcc), for tests/devices/test_cuda.py
+# only: the CPU venv (requirements.txt) does not hold it.
+CUDA_EXTRA_SET="$(python -c "from deepspeed_xla.devices.cuda.wheels import requirements; print(*requirements())")"
+DSX_CUDA_EXTRA="$(beside_venv cuda-extra $CUDA_EXTRA_SET)"
+export DSX_HF_OLDEST DSX_CUDA_EXTRA
 # The compile-only TPU toolchain (JAX and libtpu, requirements-compile.txt) in a venv of its own, built once beside the
 # main one: tests/bench/test_tpu_compile.py compiles the traced step graphs with it (bench/tpu_compile.py).
 DSX_COMPILE_PYTHON="$(bash "$DSX_ROOT/scripts/setup_compile_env.sh")"

@@ -1,12 +1,13 @@
 # Source this file: creates (or reuses) the project's venv and installs deepspeed_xla into it.
 #   source scripts/setup_env.sh   ->  $DSX_VENV/bin on PATH, PJRT_DEVICE defaulting to CPU
-# The venv is keyed on requirements.txt's hash, so CI and developers reuse one ~7 GB install.
+# The venv is keyed on requirements.txt's hash, so CI and developers reuse one 7.6 GB install (no CUDA PJRT plugin: the
+# [cuda] extra, which scripts/gpu_smoke.sh installs).
 set -euo pipefail
 DSX_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DSX_HASH="$(cat "$DSX_ROOT/requirements.txt" | sha256sum | cut -c1-12)"
 DSX_VENV="${DSX_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/deepspeed-xla/venv-$DSX_HASH}"
 if [ ! -f "$DSX_VENV/.complete" ]; then
-  echo "deepspeed_xla: creating $DSX_VENV (torch + torch_xla: a few minutes, ~7 GB)" >&2
+  echo "deepspeed_xla: creating $DSX_VENV (torch + torch_xla: a few minutes, 7.6 GB)" >&2
   rm -rf "$DSX_VENV"
   python3 -m venv "$DSX_VENV"
   "$DSX_VENV/bin/pip" install -q --upgrade pip setuptools wheel

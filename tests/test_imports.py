@@ -14,7 +14,7 @@ from tests.conftest import REPO
 
 PACKAGE = "deepspeed_xla"
 #: Modules that may import nothing from the package: the startup path, and the bottom layers.
-LEAVES = ("bootstrap", "launch_env", "env_vars", "env_file", "xla_runtime", "patches.registry")
+LEAVES = ("bootstrap", "launch_env", "env_vars", "env_file", "xla_runtime", "patches.registry", "devices.cuda.wheels")
 #: (importer prefix, imported prefix) pairs that must never be reached, directly or through other modules.
 FORBIDDEN = (("devices", "comm"), ("comm", "devices"))
 #: Modules only their own package and the command line may import.

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, ProcessGroup
 
-from deepspeed_xla.comm import accounting, host_buffers, staging, watchdog
+from deepspeed_xla.comm import accounting, gloo_output, host_buffers, staging, watchdog
 from deepspeed_xla.comm.agreement import Agreement, describe, signature
 from deepspeed_xla.comm.hang_report import Wait
 from deepspeed_xla.comm.work import ISSUED, HostWork, PendingWork, completed_work as _done, wait_all
@@ -56,20 +56,21 @@ def _reduction(op: dist.ReduceOp) -> str:
 
 
 def _gloo_group(store, rank: int, size: int, timeout: timedelta, lazy: bool) -> dist.ProcessGroupGloo:
-    """A gloo group; ``lazy`` connects each pair of ranks when they first talk, not all pairs up front.
+    """A gloo group, its connection lines held back (``gloo_output``); ``lazy`` connects each pair of ranks when
+    they first talk, not all pairs up front.
 
     gloo reads ``TORCH_GLOO_LAZY_INIT`` when a group is built and has no constructor argument for it.
     """
-    if not lazy:
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
     previous = os.environ.get(_GLOO_LAZY)
-    os.environ[_GLOO_LAZY] = "1"
+    if lazy:
+        os.environ[_GLOO_LAZY] = "1"
     try:
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        with gloo_output.held_back(rank):
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
     finally:
-        if previous is None:
+        if lazy and previous is None:
             del os.environ[_GLOO_LAZY]
-        else:
+        elif lazy:
             os.environ[_GLOO_LAZY] = previous
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from deepspeed_xla.comm import backends, staging
+from deepspeed_xla.comm.gloo_output import VERBOSE_ENV
 from tests.comm.host_staged_checks import TIMEOUT, WORLD, in_place_reductions
 from tests.comm.host_staged_flow_checks import CHECKS
 from tests.multiproc import run_ranks
@@ -46,7 +47,8 @@ def ranks():
 
 @pytest.fixture(scope="module")
 def three_ranks():
-    return run_ranks(f"{__name__}:three_rank_main", 3)
+    """With ``DS_XLA_VERBOSE=1`` (read by the ranks alone: the fork server is shared)."""
+    return run_ranks(f"{__name__}:three_rank_main", 3, env={VERBOSE_ENV: "1"}, after_import=(VERBOSE_ENV,))
 
 
 @pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])
@@ -64,6 +66,15 @@ def test_reductions_of_three_ranks_in_place(three_ranks, staging):
         assert f"PASS {staging} in_place_reductions" in proc.stdout.splitlines(), (
             f"rank {rank} (exit code {proc.returncode}):\n{proc.stderr[-6000:]}")
     assert [proc.returncode for proc in three_ranks] == [0, 0, 0]
+
+
+def test_gloo_lines_held_back_unless_verbose_then_whole_by_rank(ranks, three_ranks):
+    """gloo prints its line to std::cout when a group connects (``comm/gloo_output``)."""
+    assert not [line for proc in ranks for line in proc.stdout.splitlines() if "[Gloo]" in line]
+    for rank, proc in enumerate(three_ranks):
+        gloo = [line for line in proc.stdout.splitlines() if "[Gloo]" in line]
+        assert gloo == [f"[rank {rank}] [Gloo] Rank {rank} is connected to 2 peer ranks. Expected number of connected "
+                        "peer ranks is : 2"], proc.stdout
 
 
 def test_ranks_exit_cleanly(ranks):

@@ -3,6 +3,10 @@
 What runs for real: the plugin library found in the installed ``jax-cuda12-pjrt`` wheel, registered with
 torch_xla, loaded by its runtime with the XLA coordinator between two processes, and failing with our
 error at "No visible GPU devices". GPU hosts are faked through the driver's device list.
+
+The CPU venv does not hold the ``[cuda]`` extra: ``scripts/run_tests.sh`` installs it (``wheels.requirements()``,
+without dependencies) into a folder of the venv and names it in ``DSX_CUDA_EXTRA``; the tests that need the wheels
+put it first on their path (``cuda_extra``).
 """
 import json
 import os
@@ -16,12 +20,25 @@ import torch
 
 from deepspeed_xla.devices import cuda
 from deepspeed_xla.devices.cuda import CudaDevice, cuda_process_settings, visible_gpu_count
-from deepspeed_xla.devices.cuda import plugin, probe
+from deepspeed_xla.devices.cuda import plugin, probe, wheels
 from deepspeed_xla.launch_env import process_layout
-from tests.conftest import REPO, clean_env
+from tests.conftest import FIXTURES, REPO, clean_env
 from tests.multiproc import free_port, run_python, run_ranks
 
 FAKE_GPU_DIR = "DSX_TEST_FAKE_GPU_DIR"
+
+
+@pytest.fixture
+def cuda_extra(monkeypatch) -> str:
+    """The ``[cuda]`` extra's folder first on this process's path; returns the PYTHONPATH of the processes a test
+    starts (with the session's py-cpuinfo answer, as ``clean_env`` gives it)."""
+    folder = os.environ.get("DSX_CUDA_EXTRA")
+    if not folder or not (Path(folder) / ".complete").is_file():
+        pytest.fail("The [cuda] extra is not installed: run the tests through scripts/run_tests.sh (it installs "
+                    "deepspeed_xla/devices/cuda/wheels.py's requirements() into $DSX_VENV/cuda-extra-<hash> and sets "
+                    "DSX_CUDA_EXTRA).")
+    monkeypatch.syspath_prepend(folder)
+    return f"{folder}{os.pathsep}{FIXTURES / 'cpuinfo_cache'}"
 
 # The reference: torch_xla's CUDA plugin, pytorch/xla plugins/cuda/torch_xla_cuda_plugin/__init__.py at
 # 97b21f1183b19d184b5374dc86b83f2c6e0e56a3 (CudaPlugin.client_create_options / requires_xla_coordinator, the
@@ -38,7 +55,7 @@ TWO_NODES = [
 
 
 @pytest.mark.parametrize("node, local_rank, rank, visible, node_id", TWO_NODES)
-def test_two_nodes_match_the_reference_plugin(node, local_rank, rank, visible, node_id):
+def test_two_nodes_match_the_reference_plugin(node, local_rank, rank, visible, node_id, cuda_extra):
     env = {"LOCAL_RANK": str(local_rank), "LOCAL_SIZE": "4", "CROSS_RANK": str(node), "RANK": str(rank),
            "WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
     layout = process_layout(env)
@@ -151,10 +168,11 @@ def test_device_count_on_a_fake_gpu_host_starts_no_runtime(tmp_path):
                                                         "torch_xla_imported": False}
 
 
-def test_no_gpu_is_one_clear_error(tmp_path):
+def test_no_gpu_is_one_clear_error(tmp_path, cuda_extra):
     code = ("import sys\nfrom deepspeed_xla.devices.cuda import probe\nprobe.DRIVER_GPU_DIR = sys.argv[1]\n"
             "import deepspeed\nfrom deepspeed.accelerator import get_accelerator\nget_accelerator().set_device(0)\n")
-    proc = _run(code, str(_gpu_dir(tmp_path, 0)), DS_ACCELERATOR="xla", PJRT_DEVICE="CUDA", CUDA_VISIBLE_DEVICES="0")
+    proc = _run(code, str(_gpu_dir(tmp_path, 0)), DS_ACCELERATOR="xla", PJRT_DEVICE="CUDA", CUDA_VISIBLE_DEVICES="0",
+                PYTHONPATH=cuda_extra)
     assert proc.returncode == 1, proc.stdout
     assert proc.stderr.strip().splitlines()[-1] == (
         "RuntimeError: PJRT_DEVICE=CUDA but no GPU is visible to this process: check that `nvidia-smi -L` lists the "
@@ -169,7 +187,7 @@ def setup_on_fake_gpus():
     deepspeed_xla.setup_process()
 
 
-def test_plugin_from_the_wheel_starts_with_the_coordinator_and_fails_cleanly(tmp_path):
+def test_plugin_from_the_wheel_starts_with_the_coordinator_and_fails_cleanly(tmp_path, cuda_extra):
     """torch_xla loads the wheel's library, starts the coordinator from our settings, connects both processes,
     and the client's "No visible GPU devices" becomes our error in each: no crash, no hang, no CPU fallback."""
     library = cuda.plugin_library()
@@ -177,7 +195,8 @@ def test_plugin_from_the_wheel_starts_with_the_coordinator_and_fails_cleanly(tmp
     port = free_port()
     ranks = run_ranks("tests.devices.test_cuda:setup_on_fake_gpus", 2, timeout=280, env={
         "PJRT_DEVICE": "CUDA", FAKE_GPU_DIR: str(_gpu_dir(tmp_path, 2)), "XLA_COORDINATOR_PORT": port,
-        "TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "pjrt_registry=3"})
+        "TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "pjrt_registry=3",
+        "PYTHONPATH": cuda_extra})
     for rank, proc in enumerate(ranks):
         log = proc.stderr
         assert proc.returncode == 1, log[-3000:]
@@ -190,7 +209,7 @@ def test_plugin_from_the_wheel_starts_with_the_coordinator_and_fails_cleanly(tmp
     assert "has connected to coordination service" in ranks[0].stderr
 
 
-def test_report_rows_on_a_fake_gpu_host(monkeypatch, tmp_path):
+def test_report_rows_on_a_fake_gpu_host(monkeypatch, tmp_path, cuda_extra):
     """What ``ds_xla_report`` prints for CUDA (``describe``) and that a ready host has no setup problem."""
     monkeypatch.setattr(probe, "DRIVER_GPU_DIR", str(_gpu_dir(tmp_path, 4)))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
@@ -199,6 +218,16 @@ def test_report_rows_on_a_fake_gpu_host(monkeypatch, tmp_path):
         f"2 GPU(s) visible (host: 4, from {probe.DRIVER_GPU_DIR}, narrowed by CUDA_VISIBLE_DEVICES=2,3); "
         f"CUDA PJRT plugin: jax-cuda12-pjrt {metadata.version('jax-cuda12-pjrt')} ({cuda.plugin_library()})")
     assert device.setup_problems() == []
+
+
+def test_the_cpu_venv_holds_no_cuda_wheel_and_the_extra_has_both():
+    """The main job installs nothing it does not use: the wheels are the installed package's ``cuda`` extra alone."""
+    for name in (wheels.PLUGIN_DISTRIBUTION, wheels.TOOLKIT_DISTRIBUTION):
+        with pytest.raises(metadata.PackageNotFoundError):
+            metadata.distribution(name)
+    extra = [req.split(";")[0].replace(" ", "") for req in metadata.requires("deepspeed-xla")
+             if req.replace(" ", "").endswith('extra=="cuda"')]
+    assert extra == wheels.requirements()
 
 
 def test_missing_plugin_wheel_names_the_extra(monkeypatch):
@@ -213,7 +242,7 @@ def test_missing_plugin_wheel_names_the_extra(monkeypatch):
         "jax-cuda12-pjrt==0.7.1 --no-deps)."]
 
 
-def test_toolkit_is_looked_up_where_xla_looks(tmp_path):
+def test_toolkit_is_looked_up_where_xla_looks(tmp_path, cuda_extra):
     """XLA searches ``../../nvidia/cuda_nvcc`` from the plugin library's folder (its CandidateCudaRoots)."""
     library = tmp_path / "jax_plugins" / "xla_cuda12" / plugin.PLUGIN_LIBRARY
     ptxas = tmp_path / "nvidia" / "cuda_nvcc" / "bin" / "ptxas"

@@ -11,13 +11,9 @@ from importlib import metadata
 from typing import Dict, Mapping, Optional
 
 from deepspeed_xla import env_vars
+from deepspeed_xla.devices.cuda.wheels import PLUGIN_DISTRIBUTION, PLUGIN_VERSION, TOOLKIT_DISTRIBUTION, TOOLKIT_VERSION
 
-PLUGIN_DISTRIBUTION = "jax-cuda12-pjrt"
-PLUGIN_VERSION = "0.7.1"  # the JAX release torch_xla 2.9 pins for Pallas: the same XLA era
 PLUGIN_LIBRARY = "xla_cuda_plugin.so"
-#: CUDA's ptxas and libdevice, which XLA needs to compile kernels; torch's CUDA wheels do not bring them.
-TOOLKIT_DISTRIBUTION = "nvidia-cuda-nvcc-cu12"
-TOOLKIT_VERSION = "12.8.93"  # the CUDA 12.8 of torch 2.9.0's CUDA libraries
 TOOLKIT_FILES = ("bin/ptxas", "nvvm/libdevice/libdevice.10.bc")
 #: torch_xla's ``XlaCoordinator::kDefaultCoordinatorPort``, used when ``XLA_COORDINATOR_PORT`` is unset.
 DEFAULT_COORDINATOR_PORT = "8547"
