@@ -7,8 +7,9 @@ import numpy
 import pytest
 
 from deepspeed_xla.patches.monitor import xla_counters_every_print
-from tests.launched.features_ranks import MONITORED
-from tests.launched.test_features import csv_events, events, tensorboard_events
+from tests.launched.features_ranks import MONITORED, end_monitor_runs, offline_monitors
+from tests.launched.test_features import MONITOR_READERS, csv_events, events, tensorboard_events
+from tests.multiproc import within
 
 OUT_ENV = "DSX_TEST_MONITOR_OUT"
 STEPS, EVERY, BATCH, WIDTH = 6, 2, 4, 8
@@ -40,13 +41,14 @@ def torch_xla_metrics() -> dict:
 
 def train(case: str) -> dict:
     """A two-layer MLP for ``STEPS`` steps, reading the loss on the host before each optimizer step (one transfer),
-    with csv_monitor and TensorBoard on (``case == "on"``) or no monitor; torch_xla's metrics before and after each
-    step."""
+    with DeepSpeed's four monitors on (``case == "on"``; wandb and comet offline) or none; torch_xla's metrics before
+    and after each step."""
     import deepspeed
     import torch
     folder = Path(os.environ[OUT_ENV]).parent / case
-    monitors = json.loads(json.dumps({key: MONITORED[key] for key in ("csv_monitor", "tensorboard")}).replace(
-        "MONITOR", str(folder)))
+    monitors = json.loads(json.dumps({key: MONITORED[key] for key in MONITOR_READERS}).replace("MONITOR", str(folder)))
+    if case == "on":
+        offline_monitors(folder)
     config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
               "steps_per_print": EVERY, **(monitors if case == "on" else {})}
     torch.manual_seed(0)
@@ -61,6 +63,8 @@ def train(case: str) -> dict:
         loss.item()
         engine.step()
         steps.append({"samples": engine.global_samples, "before": before, "after": torch_xla_metrics()})
+    if case == "on":
+        end_monitor_runs(engine)
     engine.destroy()
     return {"steps": steps, "folder": str(folder)}
 
@@ -128,3 +132,15 @@ def test_other_ranks_and_unmonitored_runs_write_nothing():
     for args in ((1, True, EVERY), (0, False, EVERY), (0, True, EVERY + 1)):
         assert take_model_step(engine(*args)) == "stepped"
     assert written == []
+
+
+def test_wandb_and_comet_hold_what_the_csv_holds(record):
+    """The four monitors get the counters from one ``write_events`` call, as they get DeepSpeed's own events: wandb's
+    offline run and comet's offline archive hold the CSV's XLA events (comet: as float32)."""
+    folder = Path(record["on"]["folder"])
+    logged = {name: points for name, points in events(csv_events(folder)).items() if "memory" in name or "xla_" in name}
+    assert len(logged) == len(COUNTERS) + 2, logged
+    for monitor in ("wandb", "comet"):
+        held = events(MONITOR_READERS[monitor](folder))
+        for name, points in logged.items():
+            assert within(held[name], points, atol=0.0, rtol=1e-6), (monitor, name, held.get(name))
