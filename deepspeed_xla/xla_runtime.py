@@ -284,15 +284,17 @@ def graph_counters() -> dict:
 
     Waits for queued executions first: torch_xla counts an execution when it completes.
     """
-    import torch_xla.debug.metrics as met
     wait_device()
+    return {"compilations": metric_totals("CompileTime")[0], "executions": metric_totals("ExecuteTime")[0],
+            "transfers_to_host": metric_totals("TransferFromDeviceTime")[0]}
 
-    def count(name):
-        data = met.metric_data(name)
-        return int(data[0]) if data else 0
 
-    return {"compilations": count("CompileTime"), "executions": count("ExecuteTime"),
-            "transfers_to_host": count("TransferFromDeviceTime")}
+def metric_totals(name: str) -> Tuple[int, float]:
+    """How many samples torch_xla's metric ``name`` took in this process, and their sum (nanoseconds for a ``*Time``
+    metric, bytes for ``InboundData``); ``(0, 0.0)`` before its first. Host numbers: reading them reads no device."""
+    import torch_xla.debug.metrics as met
+    data = met.metric_data(name)
+    return (int(data[0]), float(data[1])) if data else (0, 0.0)
 
 
 def execution_clock() -> Tuple[float, Optional[float]]:

@@ -7,7 +7,8 @@ The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine``
 what it and ZeRO-3 keep of an engine after ``destroy()``: ``lifetime``), ``zero`` (ZeRO-3's flat gradient buffer:
 ``zero3_grads``; its gradient reduce-scatter: ``zero3_reduce``; what ``deepspeed.initialize`` does once per
 parameter: ``zero_startup``; its per-module hooks: ``zero3_hooks``),
-``precision``, ``grad_checks``, ``config``, ``nvtx`` (its ranges, which XLA does not record), ``compiler``,
+``precision``, ``grad_checks``, ``config``, ``nvtx`` (its ranges, which XLA does not record), ``monitor`` (XLA's
+counters in its monitors), ``compiler``,
 ``launcher``, ``comm``, ``tensor_parallel``, the two places where the Hugging Face stack runs DeepSpeed
 (``accelerate``, ``trainer``) and transformers' ``hub_kernels``, which cannot serve XLA; ``registry`` defines
 ``Patch``, the supported releases and how a patch is checked and applied. Their figures: (docs/performance.md, 'Why
@@ -20,8 +21,8 @@ from importlib import metadata
 
 from deepspeed_xla.devices import wants_xla
 from deepspeed_xla.patches import (accelerate, checkpoints, comm, compiler, config, engine, flops_profiler, grad_checks,
-                                  hub_kernels, launcher, lifetime, mixed_dtypes, nvtx, precision, tensor_parallel,
-                                  trainer, zero, zero3_grads, zero3_hooks, zero3_reduce, zero_startup)
+                                  hub_kernels, launcher, lifetime, mixed_dtypes, monitor, nvtx, precision,
+                                  tensor_parallel, trainer, zero, zero3_grads, zero3_hooks, zero3_reduce, zero_startup)
 # WRITTEN_FOR, VERSIONS, SUPPORTED, Patch, is_applied, source_digest and upstream_digest are this package's API too.
 from deepspeed_xla.patches.registry import (SUPPORTED, VERSIONS, WRITTEN_FOR, Patch, _apply, in_range, is_applied,
                                             label, releases, requirement, source_digest, upstream_digest)
@@ -135,6 +136,9 @@ PATCHES = [
           "c4c6e01aa1fc4e7d"),
     # After sync_after, which it wraps: the save reads the state of a step whose graph was cut.
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", engine.checkpoint_on_sigterm,
+          "c4c6e01aa1fc4e7d"),
+    # After both: the counters it writes include the step's graph, cut by sync_after.
+    Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", monitor.xla_counters_every_print,
           "c4c6e01aa1fc4e7d"),
     Patch("deepspeed.runtime.engine", "", "create_checkpoint_engine", checkpoints.create_checkpoint_engine,
           "1adbe5fc9cc0c1d1"),
