@@ -182,6 +182,20 @@ def unexecuted() -> Iterator[None]:
         runtime._set_allow_execution(allowed)
 
 
+@contextlib.contextmanager
+def as_world_of(devices: int) -> Iterator[None]:
+    """torch_xla's runtime counts ``devices`` in its world inside the block (its collectives check shapes by it and
+    skip an all-reduce over one device): with ``unexecuted``, what one rank of that world traces, in a process whose
+    XLA connects to no other device."""
+    runtime = xr()
+    world_size = runtime.world_size
+    runtime.world_size = lambda: devices
+    try:
+        yield
+    finally:
+        runtime.world_size = world_size
+
+
 def set_seed(seed: int) -> None:
     xm().set_rng_state(int(seed))
 

@@ -55,6 +55,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--gpu-compile", type=tpu_compile.parse_gpus, metavar="GPUS",
                         help="as --tpu-compile (or besides it), with XLA's GPU compiler for these NVIDIA GPUs "
                              "(h100, a100), without a GPU: memory, FLOPs and bytes per GPU, no time estimate")
+    parser.add_argument("--worlds", type=tpu_compile.parse_worlds, default=[4, 8], metavar="N,N",
+                        help="with --tpu-compile or --gpu-compile: also each rank's step graph of ZeRO 0-3, fp32 and "
+                             "bf16, at these world sizes, traced on as many PJRT CPU processes (default: 4,8; "
+                             "none: '')")
     parser.add_argument("--trace-only", action="store_true",
                         help="with --tpu-compile or --gpu-compile: trace the step graphs without compiling them here "
                              "(a large model); they then carry no buffer donors, so nothing is aliased")

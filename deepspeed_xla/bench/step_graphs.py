@@ -62,7 +62,7 @@ def _floor_step(train, model, args: argparse.Namespace, dtype: str) -> Callable[
     return step
 
 
-def _deepspeed_step(train, model, args: argparse.Namespace, dtype: str, stage: int) -> Callable[[int], None]:
+def deepspeed_step(train, model, args: argparse.Namespace, dtype: str, stage: int) -> Callable[[int], None]:
     import deepspeed
     config = ds_config(stage, args.batch, args.zero, clip=args.clip)
     if dtype == "bf16":
@@ -99,7 +99,7 @@ def _count_case(args: argparse.Namespace, train, dtype: str, layers: int) -> dic
     if args.system == "floor":
         step = _floor_step(train, model, args, dtype)
     else:
-        step = _deepspeed_step(train, model, args, dtype, int(args.system[-1]))
+        step = deepspeed_step(train, model, args, dtype, int(args.system[-1]))
     for index in range(args.steps - 1):
         step(index)
         xla_runtime.sync(wait=True)
@@ -190,7 +190,7 @@ def count_systems(args: argparse.Namespace, workdir: Path) -> List[dict]:
             env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={graphs.with_suffix('.dump')} " \
                                "--xla_dump_hlo_as_text".strip()
         cmd = [sys.executable, "-m", "deepspeed_xla.bench.step_graphs", "--worker", "--system", system,
-               "--graphs", str(graphs), "--out", str(out), *_shared_flags(args)]
+               "--graphs", str(graphs), "--out", str(out), *shared_flags(args)]
         with open(workdir / f"{system}.log", "w") as log:
             code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
         if code:
@@ -199,11 +199,13 @@ def count_systems(args: argparse.Namespace, workdir: Path) -> List[dict]:
     return rows
 
 
-def _shared_flags(args: argparse.Namespace) -> List[str]:
-    flags = ["--dtypes", *args.dtypes, "--layers", *map(str, args.layers), "--dim", str(args.dim), "--seq",
-             str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab), "--steps", str(args.steps),
-             "--seed", str(args.seed), "--clip", str(args.clip)] + ["--no-compile"] * args.no_compile \
-        + ["--stablehlo"] * args.stablehlo
+def shared_flags(args: argparse.Namespace, dtypes: Optional[List[str]] = None,
+                 layers: Optional[List[int]] = None) -> List[str]:
+    """``args``' model and training flags, for a worker process (``dtypes`` and ``layers`` in place of its own)."""
+    flags = ["--dtypes", *(dtypes or args.dtypes), "--layers", *map(str, layers or args.layers), "--dim",
+             str(args.dim), "--seq", str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab), "--steps",
+             str(args.steps), "--seed", str(args.seed), "--clip", str(args.clip)] \
+        + ["--no-compile"] * args.no_compile + ["--stablehlo"] * args.stablehlo
     if args.train_script:
         flags += ["--train-script", args.train_script]
     return flags + (["--zero", *(f"{k}={json.dumps(v)}" for k, v in args.zero.items())] if args.zero else [])
@@ -216,9 +218,9 @@ def ratios(rows: List[dict], key: str) -> Dict[tuple, float]:
             if (r["dtype"], r["layers"]) in floor}
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m deepspeed_xla.bench.step_graphs",
-                                     description=__doc__.split("\n")[0])
+def argument_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The model, training and worker flags (``bench.rank_graphs`` adds its own)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     parser.add_argument("--layers", nargs="+", type=int, default=[2, 16])
@@ -247,6 +249,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--graphs", help=argparse.SUPPRESS)
+    return parser
+
+
+def checked(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.zero = dict(args.zero)
     if args.clip < 0:
@@ -256,12 +262,20 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return args
 
 
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    return checked(argument_parser("python -m deepspeed_xla.bench.step_graphs", __doc__.split("\n")[0]), argv)
+
+
+def temporary_workdir() -> str:
+    return tempfile.mkdtemp(prefix="ds_xla_step_graphs_")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(args)
         return 0
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ds_xla_step_graphs_"))
+    workdir = Path(args.workdir or temporary_workdir())
     workdir.mkdir(parents=True, exist_ok=True)
     rows = count_systems(args, workdir)
     elementwise = ratios(rows, "elementwise_ops")

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from deepspeed_xla.bench import stage_graphs, step_graphs
+from deepspeed_xla.bench import rank_graphs, stage_graphs, step_graphs
 from deepspeed_xla.bench.roofline import TPUS
 from deepspeed_xla.bench.systems import flops_per_token
 
@@ -108,7 +108,7 @@ def render(rows: List[dict]) -> str:
               f"{'code MB':>7} {'GFLOP':>9} {'GB moved':>8} {'est. us':>9} {'unmod.':>6} {'MFU':>6}")
     lines = [header, "-" * len(header)]
     for row in rows:
-        case = f"{row['system']} {row['dtype']}"
+        case = f"{row['system']} {row['dtype']}" + (f" w{row['world']}r{row['rank']}" if "world" in row else "")
         if "error" in row:
             lines.append(f"{case:20} {row['chip']:4} refused: {row['error'].splitlines()[0][:100]}")
             continue
@@ -144,10 +144,18 @@ def parse_gpus(text: str) -> List[str]:
     return _parse(text, GPU_TARGETS, "GPU", "--gpu-compile h100,a100")
 
 
+def parse_worlds(text: str) -> List[int]:
+    """``--worlds``' comma-separated world sizes (none: '')."""
+    worlds = [part.strip() for part in text.split(",") if part.strip()]
+    if not all(world.isdigit() and int(world) > 1 for world in worlds):
+        raise argparse.ArgumentTypeError(f"world sizes are numbers above 1, e.g. --worlds 4,8 (got {text!r})")
+    return [int(world) for world in worlds]
+
+
 def run(args: argparse.Namespace, train_script: Path, workdir: Path) -> int:
-    """Trace the floor and ZeRO 0–3 in fp32 and bf16 at the bench's model, and the stages of a 2-stage pipeline of it;
-    compile each step graph and stage graph for every chip of ``args.tpu_compile`` and ``args.gpu_compile``, print the
-    tables (and write them as JSON to ``args.out``); 1 if a graph was refused."""
+    """Trace the floor and ZeRO 0–3 in fp32 and bf16 at the bench's model, the stages of a 2-stage pipeline of it and
+    each rank's step graph of ZeRO 0-3 at ``args.worlds``; compile each for every chip of ``args.tpu_compile`` and
+    ``args.gpu_compile``, print the tables (and write them as JSON to ``args.out``); 1 if a graph was refused."""
     chips = (args.tpu_compile or []) + (args.gpu_compile or [])
     flags = ["--stablehlo", "--layers", str(args.layers), "--dim", str(args.dim), "--seq", str(args.seq), "--batch",
              str(args.batch), "--vocab", str(args.vocab), "--clip", str(args.clip), "--seed", str(args.seed),
@@ -155,18 +163,24 @@ def run(args: argparse.Namespace, train_script: Path, workdir: Path) -> int:
     steps = step_graphs.count_systems(step_graphs.parse_args(flags), workdir)
     stages = [case for dtype in step_graphs.DTYPES for case in stage_graphs.trace_stages(args, train_script, workdir,
                                                                                          dtype)]
-    graphs = [Graph(case["name"], case["stablehlo"]) for case in steps + stages]
+    ranks = [case for world in args.worlds for case in
+             rank_graphs.trace_ranks(step_graphs.parse_args(flags + ["--systems", *step_graphs.SYSTEMS[1:]]), world,
+                                     workdir)]
+    graphs = [Graph(case["name"], case["stablehlo"], case.get("world", 1)) for case in steps + stages + ranks]
     results = compile_graphs(graphs, chips, compile_python(train_script.parents[1]), workdir)
     model_flops = flops_per_token(args.dim, args.layers, args.vocab, args.seq) * args.batch * args.seq
-    rows = report_rows(steps, results[:len(steps) * len(chips)], model_flops)
-    stage_rows = report_rows(stages, results[len(steps) * len(chips):], None)
+    ends = [len(steps) * len(chips), (len(steps) + len(stages)) * len(chips)]
+    tables = {"steps": report_rows(steps, results[:ends[0]], model_flops),
+              "stages": report_rows(stages, results[ends[0]:ends[1]], None),
+              "ranks": report_rows(ranks, results[ends[1]:], model_flops)}
     print(f"TinyGPT dim {args.dim}, {args.layers} layers, seq {args.seq}, batch {args.batch}, vocab {args.vocab}; "
           f"compile-only clients (libtpu, XLA's GPU compiler), figures per chip\n\nStep graphs, one process:\n"
-          f"{render(rows)}\n\n"
+          f"{render(tables['steps'])}\n\n"
           f"Pipeline stages (2 processes, {stage_graphs.MICRO_BATCHES} micro-batches; gNxK: graph N, run K times "
-          f"a step):\n{render(stage_rows)}", flush=True)
+          f"a step):\n{render(tables['stages'])}\n\n"
+          f"Each rank's step graph at world {', '.join(map(str, args.worlds))} (xla_ds's collectives in the graph; "
+          f"the batch per rank; MFU of one rank's tokens on its chip):\n{render(tables['ranks'])}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"model": {"dim": args.dim, "layers": args.layers, "seq": args.seq,
-                                                       "batch": args.batch, "vocab": args.vocab},
-                                             "steps": rows, "stages": stage_rows}, indent=1))
+                                                       "batch": args.batch, "vocab": args.vocab}, **tables}, indent=1))
     return 1 if refusals(results) else 0

@@ -23,7 +23,8 @@ the world go through host memory over gloo (``host_staged``); subgroups that do 
 pipe, model and expert groups — run XLA collectives with the full tiling as replica groups.
 ``tests/comm/test_xla_collectives_devices.py`` runs every op across 2 and 4 XLA devices.
 """
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,21 @@ from deepspeed_xla.comm.host_staged import HostStagedProcessGroup
 from deepspeed_xla.comm.work import completed_work as _done
 
 BACKEND_NAME = "xla_ds"
+_HOST_ROUTED = []  # non-empty inside ``host_routed``
+
+
+@contextlib.contextmanager
+def host_routed() -> Iterator[None]:
+    """Every ``xla_ds`` group's collectives go through host memory (gloo) inside the block.
+
+    For tracing a rank's TPU step graph on PJRT CPU processes, which XLA connects to no other device
+    (``bench/rank_graphs.py``): they warm up over gloo, then trace a step whose collectives are XLA's, unexecuted.
+    """
+    _HOST_ROUTED.append(True)
+    try:
+        yield
+    finally:
+        _HOST_ROUTED.pop()
 
 
 def pad_chunks(tensor: torch.Tensor, splits: Sequence[int], width: int) -> torch.Tensor:
@@ -103,7 +119,7 @@ def make_process_group_class():
         @property
         def _mesh(self) -> Optional[List[List[int]]]:
             """XLA replica groups; None routes this group's collectives through host memory."""
-            return self.__dict__.get("_replica_groups", [])
+            return None if _HOST_ROUTED else self.__dict__.get("_replica_groups", [])
 
         @_mesh.setter
         def _mesh(self, groups: List[List[int]]) -> None:

@@ -1,5 +1,5 @@
-"""``bench.tpu_compile``: the floor's and ZeRO 0-3's step graphs (fp32, bf16) and a 2-stage pipeline's stage graphs,
-traced here by torch_xla, compiled by libtpu for v5e and v5p without a TPU (the compile-only venv of
+"""``bench.tpu_compile``: the floor's and ZeRO 0-3's step graphs (fp32, bf16), a 2-stage pipeline's stage graphs and
+each rank's ZeRO-3 step graph at world 4 with xla_ds's collectives (``bench.rank_graphs``), traced here by torch_xla, compiled by libtpu for v5e and v5p without a TPU (the compile-only venv of
 scripts/setup_compile_env.sh); the figures are read from the compiler. A refusal here is one a TPU user would meet
 first."""
 import argparse
@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from deepspeed_xla.bench import stage_graphs, tpu_compile
+from deepspeed_xla.bench import rank_graphs, stage_graphs, tpu_compile
 from deepspeed_xla.bench.roofline import TPUS
 from deepspeed_xla.bench.step_graphs import parse_args as step_graph_args
 from tests.conftest import REPO, STEP_GRAPH_DIM
 
 pytestmark = pytest.mark.xdist_group("step_graphs")  # shares step_graph_cases with test_cost.py
 CHIPS = ["v5e", "v5p"]
+WORLD = 4
 #: an all-reduce over 2 of the module's 4 replicas: what XLA refuses on a TPU (pytorch/xla#8271)
 BROKEN_GROUPS = """module @broken attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 4 : i32} {
   func.func @main(%arg0: tensor<1024xf32>) -> tensor<1024xf32> {
@@ -38,15 +39,17 @@ def compiled(step_graph_cases, tmp_path_factory):
     args = argparse.Namespace(batch=model.batch, clip=1.0, dim=model.dim, layers=2, seq=model.seq, vocab=model.vocab,
                               seed=model.seed, timeout=600)
     stages = stage_graphs.trace_stages(args, REPO / "scripts" / "train.py", tmp, "fp32")
-    cases = step_graph_cases["executed"] + stages
+    ranks = rank_graphs.trace_ranks(step_graph_args(["--dim", str(STEP_GRAPH_DIM), "--layers", "2", "--systems",
+                                                     "zero3", "--dtypes", "bf16"]), WORLD, tmp)
+    cases = step_graph_cases["executed"] + stages + ranks
     floor = Path(next(case["stablehlo"] for case in cases if case["name"] == "floor-fp32-2"))
     (tmp / "undonated.mlir").write_text(floor.read_text().replace(" {jax.buffer_donor = true}", ""))
     (tmp / "broken.mlir").write_text(BROKEN_GROUPS)
-    graphs = [tpu_compile.Graph(case["name"], case["stablehlo"]) for case in cases] + [
+    graphs = [tpu_compile.Graph(case["name"], case["stablehlo"], case.get("world", 1)) for case in cases] + [
         tpu_compile.Graph("floor-fp32-undonated", str(tmp / "undonated.mlir")),
         tpu_compile.Graph("broken-groups", str(tmp / "broken.mlir"), replicas=4)]
     results = tpu_compile.compile_graphs(graphs, CHIPS, tpu_compile.compile_python(REPO), tmp)
-    return {"cases": {case["name"]: case for case in cases}, "results": results, "stages": stages,
+    return {"cases": {case["name"]: case for case in cases}, "results": results, "stages": stages, "ranks": ranks,
             "by": {(result["graph"], result["chip"]): result for result in results}}
 
 
@@ -145,3 +148,19 @@ def test_chips_and_their_refusal():
     assert tpu_compile.parse_chips("v5e, v6e") == ["v5e", "v6e"]
     with pytest.raises(argparse.ArgumentTypeError, match="v4.*--tpu-compile v5e,v5p"):
         tpu_compile.parse_chips("v4,v5e")
+
+
+def test_each_rank_of_a_zero3_world_compiles_for_its_chips_holding_a_quarter_of_the_state(compiled):
+    """Each rank's ZeRO-3 bf16 step at world 4, traced on 4 PJRT CPU processes with xla_ds's collectives in the graph
+    (parameters all-gathered, gradients reduce-scattered, the norm all-reduced), compiles for 4 chips of v5e and v5p;
+    a chip's arguments (its partitions of the weights, fp32 masters and moments) are under half the one-process
+    step's, which holds all of them."""
+    assert [case["rank"] for case in compiled["ranks"]] == list(range(WORLD))
+    for case in compiled["ranks"]:
+        module = Path(case["stablehlo"]).read_text()
+        assert all(f"stablehlo.{op}" in module for op in ("all_gather", "reduce_scatter", "all_reduce")), case["name"]
+        for chip in CHIPS:
+            result, whole = compiled["by"][case["name"], chip], compiled["by"]["zero3-bf16-2", chip]
+            assert "error" not in result, (case["name"], chip, result.get("error"))
+            assert result["cost"]["flops"] > 0
+            assert result["memory"]["argument_size_in_bytes"] < whole["memory"]["argument_size_in_bytes"] / 2
