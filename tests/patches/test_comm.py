@@ -111,8 +111,9 @@ def _collective(name: str, numel: int, world: int, device):
 
 def logged_and_alone(case: str) -> dict:
     """Each collective at each size, in turn for ``ROUNDS`` rounds after ``WARMUP`` (which compile the graphs): timed
-    alone (wait for the device, host clock, the op, wait), then the same op under the comms logger, so that the
-    machine's load hits both alike; the rounds' wall time, and what ``log_summary`` returns."""
+    alone (wait for the device, host clock, the op, wait) and under the comms logger, one right after the other and
+    each first in every other round, so that the machine's load hits both alike; the rounds' wall time, and what
+    ``log_summary`` returns."""
     import time
     import deepspeed
     import deepspeed.comm as dist
@@ -124,14 +125,14 @@ def logged_and_alone(case: str) -> dict:
     logger = ds_comm.comms_logger
     dist.configure(enabled=False, prof_all=True, verbose=False)
     alone = {f"{name} {numel}": [] for name, numel in calls}
-    for round in range(WARMUP + ROUNDS):
-        if round == WARMUP:
+    for index in range(WARMUP + ROUNDS):
+        if index == WARMUP:
             dist.reset_log()
             for times in alone.values():
                 times.clear()
             start = time.perf_counter()
         for (name, numel), (operands, run) in calls.items():
-            for logged in (False, True) if round % 2 else (True, False):  # each first in every other round
+            for logged in (False, True) if index % 2 else (True, False):
                 tensor = operands()
                 if logged:
                     logger.enabled = True
@@ -161,7 +162,7 @@ def test_the_logged_latency_is_the_collectives_own_at_two_ranks(tmp_path):
     size, the average the logger reports without stragglers (``log_summary``'s straggler analysis: the trimmed mean of
     each call's fastest rank) is within 25 % of the same average of the op timed alone. Upstream's running sums grow
     with every round; the matmuls left pending before each op, which ``timed_op``'s one wait (after the op) would time
-    with it, made the average 1.3-3x the op's alone. The deterministic part: every op logged once per call, under its
+    with it, made the average 1.3-2.3x the op's timed alone. The deterministic part: every op logged once per call, under its
     input's size in bytes, its total the sum of its latencies and its average their trimmed mean; all the logged
     latencies and all the times alone fit in the rounds' wall time (disjoint parts of it; upstream's sums do not)."""
     from deepspeed.utils.timer import trim_mean
