@@ -56,6 +56,8 @@ FEATURES = {
     "profiler": Feature("the flops profiler on the second step (inside the warm-up)", config={
         "flops_profiler": {"enabled": True, "profile_step": 1, "detailed": False}},
         outputs=(("flops_profiler", "output_file"),)),
+    "comms": Feature("DeepSpeed's comms logger timing every collective", config={
+        "comms_logger": {"enabled": True, "prof_all": True, "verbose": False}}),
 }
 SYSTEM_NAME = re.compile(rf"(xla|cpu)-(hf-)?zero([0-3])-([1-9][0-9]*)p(?:-({'|'.join(FEATURES)}))?$")
 NAMING = "floor or <xla|cpu>-[hf-]zero<0-3>-<N>p[-<feature>]"

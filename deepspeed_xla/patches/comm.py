@@ -22,16 +22,23 @@ def init_device_mesh(original):
 
 
 def each_op_timed_alone(original):
-    """``deepspeed.comm.comm.timers``, which only the comms logger reads (``timed_op``): after each op it reads the
-    op's timer with ``elapsed(reset=False)``, the sum of every earlier record of that op, and logs that sum as the op's
-    latency, on every accelerator (the logged average grows with the run: 26 s for a 12 MB all-reduce after 60 steps
-    on xla, and each read sums a longer list). Here a read gives the time since the previous one and drops the records
-    it read: each logged latency is the op's own."""
+    """``deepspeed.comm.comm.timers``, which only the comms logger reads (``timed_op``), so that each logged latency is
+    the op's own. Upstream reads the op's timer after each op with ``elapsed(reset=False)``, the sum of every earlier
+    record of that op, and logs that sum as the op's latency, on every accelerator (the logged average grows with the
+    run: 26 s for a 12 MB all-reduce after 60 steps on xla). Here a read gives the time since the previous one and
+    drops the records it read. And a timer starts once the device finished what came before: ``timed_op`` waits for
+    the device only after the op, so on XLA the op's time held the pending graph that computes its operands (a
+    backward's, under ZeRO) and the collectives queued before it."""
     upstream = type(original)
 
     class OwnTimes(upstream):
 
         class Timer(upstream.Timer):
+
+            def start(self):
+                from deepspeed.accelerator import get_accelerator
+                get_accelerator().synchronize()
+                super().start()
 
             def elapsed(self, reset=True):
                 return super().elapsed(reset=True)

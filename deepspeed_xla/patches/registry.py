@@ -47,6 +47,7 @@ _DEEPSPEED_FILES = {
     "deepspeed.runtime.zero.utils": "3211114393b1a156",
     "deepspeed.utils.config": "3b897ee836bff115",
     "deepspeed.utils.nvtx": "1ca82972b9f95b35",
+    "deepspeed.utils.timer": "222facbf73787d73",
 }
 #: sha256 prefix of each upstream file (by module) that defines code a patch reads, at each supported release
 #: (``VERSIONS``, ``SUPPORTED``) where the file exists. A patch whose files all match one of them has the source one of
@@ -110,7 +111,8 @@ class Patch(NamedTuple):
     #: sha256 prefix of the upstream source the wrapper was written against.
     digest: str
     #: The functions of ``owner`` the patch relies on, when not (only) ``attr``: for a data attribute, the
-    #: function using it; for a wrapper that re-implements a callee, both. The digest is of their sources.
+    #: function using it; for a wrapper that re-implements a callee, both; a dotted name reaches a class through the
+    #: module's imports (``timer.SynchronizedWallClockTimer.Timer``). The digest is of their sources.
     reads: Tuple[str, ...] = ()
     #: ``(release, digest)`` of each other supported release whose upstream source differs from ``digest``'s (which
     #: is at the highest release).
@@ -149,7 +151,10 @@ def _owner(patch: Patch):
 
 
 def _function(owner, name: str):
-    """The upstream function behind ``owner.name``, unwrapped; a property's getter."""
+    """The upstream function behind ``owner.name`` (a dotted name: through the attributes on the way), unwrapped; a
+    property's getter."""
+    *path, name = name.split(".")
+    owner = functools.reduce(getattr, path, owner)
     declared = inspect.getattr_static(owner, name) if isinstance(owner, type) else None
     return unwrapped(declared.fget if isinstance(declared, property) else getattr(owner, name))
 

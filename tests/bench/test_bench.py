@@ -47,7 +47,7 @@ def test_system_names():
     ("xla-zero3-2p-hpz", 3, 2, "hpz", 2), ("xla-zero0-1p-ckpt", 0, 1, "ckpt", 1),
     ("cpu-zero2-1p-offload", 2, 1, "offload", 1), ("xla-zero0-1p-compile", 0, 1, "compile", 1),
     ("xla-zero3-2p-zinit", 3, 2, "zinit", 2), ("xla-zero2-1p-monitors", 2, 1, "monitors", 1),
-    ("cpu-zero0-2p-profiler", 0, 2, "profiler", 2)])
+    ("cpu-zero0-2p-profiler", 0, 2, "profiler", 2), ("xla-zero2-2p-comms", 2, 2, "comms", 2)])
 def test_feature_system_names(name, stage, procs, feature, data_parallel):
     system = systems.parse_system(name)
     assert system == systems.System(name, name[:3], stage, procs, feature=feature)
