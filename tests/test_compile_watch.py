@@ -1,0 +1,180 @@
+"""What a run tells the user about XLA unasked: a recompilation after the warm-up steps and a device read in the
+loop, each named by the user's line (``compile_watch``, ``host_reads``), and a long compilation announced on rank 0;
+none of it adds a device read or a graph cut to a step."""
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from deepspeed_xla import compile_watch
+from tests.multiproc import run_ranks
+
+STEPS, SHAPE_CHANGE, READ_FROM = 12, 6, 7
+#: Lines of ``train_loop`` the warnings must name, found by their text below.
+_SOURCE = open(__file__).read().splitlines()
+
+
+def _line(marker: str) -> int:
+    return next(number for number, text in enumerate(_SOURCE, 1) if text.rstrip().endswith(f"# {marker}"))
+
+
+def train_loop() -> None:
+    """Run by ``run_ranks``: a small engine for ``STEPS`` steps; sys.argv[1] names the case (``steady``, ``shape``:
+    the batch grows at step ``SHAPE_CHANGE``, ``read``: ``.item()`` of the loss in each step from ``READ_FROM``).
+    Prints each step's graph counters and the deepspeed_xla warnings as JSON."""
+    import warnings
+    import deepspeed
+    import torch
+    from deepspeed_xla import xla_runtime
+    case = sys.argv[1]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+              "zero_optimization": {"stage": 1}, "steps_per_print": 4}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    counts = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, STEPS + 1):
+            before = xla_runtime.graph_counters()
+            rows = 3 if case == "shape" and step >= SHAPE_CHANGE else 2
+            x = torch.randn(rows, 8).to(engine.device)
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)  # backward
+            engine.step()  # step end
+            if case == "read" and step >= READ_FROM:
+                loss.item()  # read
+            after = xla_runtime.graph_counters()
+            counts.append({key: after[key] - before[key] for key in after})
+    print(json.dumps({"counts": counts, "warnings": [str(w.message) for w in caught
+                                                      if str(w.message).startswith("deepspeed_xla")]}))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every case on two ranks, and the steady case with the warnings off, in one go per case (~25 s each)."""
+    cases = {"steady": {}, "shape": {}, "read": {}, "off": {compile_watch.SWITCH_ENV: "0"},
+             "notice": {compile_watch.NOTICE_ENV: "0"}}
+    results = {}
+    for name, env in cases.items():
+        procs = run_ranks("tests.test_compile_watch:train_loop", 2, args=["steady" if name in ("off", "notice")
+                                                                          else name],
+                          env={"DS_ACCELERATOR": "xla", **env}, timeout=300)
+        for rank, proc in enumerate(procs):
+            assert proc.returncode == 0, f"{name} rank {rank}:\n{proc.stderr[-6000:]}"
+        results[name] = [(json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr) for proc in procs]
+    return results
+
+
+def test_a_steady_run_warns_of_nothing(runs):
+    for result, _ in runs["steady"]:
+        assert result["warnings"] == []
+
+
+def test_a_batch_of_another_shape_after_warm_up_warns_naming_the_users_line(runs):
+    """Both ranks compile new graphs from step 6 on, and say where in the loop: at ``engine.step()``, the step's
+    graph, and (rank 0, whose host-staged gradient all-reduce and progress log run DeepSpeed's reads) at
+    ``engine.backward()``, said to be DeepSpeed's own code. The line is the user's, never a library's."""
+    lines = {f"{__file__}:{_line('step end')}", f"{__file__}:{_line('backward')}"}
+    for rank, (result, _) in enumerate(runs["shape"]):
+        warned = result["warnings"]
+        steps = [int(re.search(rf"rank {rank} compiled a new graph in optimizer step (\d+),", text).group(1))
+                 for text in warned]
+        assert steps and steps[0] == SHAPE_CHANGE, warned
+        assert {re.search(r", at (\S+): ", text).group(1) for text in warned} <= lines, warned
+        step_end = [text for text in warned if f"{__file__}:{_line('step end')}: " in text]
+        assert step_end and "Usually a batch of another shape" in step_end[0], warned
+        assert all("DeepSpeed's own code" in text for text in warned if text not in step_end), warned
+
+
+def test_the_analysis_is_torch_xlas_on_the_first_process(runs):
+    """Rank 0 (the host's first process) quotes torch_xla's compilation analysis; rank 1 names the same line from
+    the sync's own frames."""
+    (rank0, _), (rank1, _) = runs["shape"]
+    assert any("(torch_xla's compilation analysis: \"user torch_xla.sync\", graph " in text
+               for text in rank0["warnings"]), rank0["warnings"]
+    assert not any("torch_xla's compilation analysis" in text for text in rank1["warnings"]), rank1["warnings"]
+
+
+def test_a_read_in_the_loop_warns_naming_its_line_a_few_times(runs):
+    for rank, (result, _) in enumerate(runs["read"]):
+        warned = result["warnings"]
+        expected = f"rank {rank} read a device value on the host at {__file__}:{_line('read')} (1 transfer(s): " \
+                   "_local_scalar_dense)"
+        assert [expected in text for text in warned] == [True] * compile_watch.REPEATS, warned
+        assert f"between optimizer steps {READ_FROM} and {READ_FROM + 1}," in warned[0]
+        assert "does not warn of it again" in warned[-1]
+
+
+def test_the_watch_adds_no_execution_or_transfer(runs):
+    """Each step of the steady run runs the same graphs and transfers with the warnings on as off (the graph
+    counters' own reads included)."""
+    for (on, _), (off, _) in zip(runs["steady"], runs["off"]):
+        assert [{k: c[k] for k in ("executions", "transfers_to_host")} for c in on["counts"]] == \
+               [{k: c[k] for k in ("executions", "transfers_to_host")} for c in off["counts"]]
+
+
+def test_a_compilation_past_the_notice_time_is_one_line_on_rank_0(runs):
+    """With the notice time at 0 s every step that compiled says so on rank 0, once, naming its graph; rank 1 says
+    nothing, nor does rank 0 at the default 10 s (these graphs compile in well under a second)."""
+    (result, stderr), (_, stderr1) = runs["notice"]
+    compiled = [step for step, count in enumerate(result["counts"], 1) if count["compilations"]]
+    lines = re.findall(r"deepspeed_xla: compiling the step graph \((first step|step \d+)\)\.\.\. \d+ s\n", stderr)
+    assert lines == ["first step" if step == 1 else f"step {step}" for step in compiled], stderr[-3000:]
+    assert "deepspeed_xla: compiling" not in stderr1
+    assert all("deepspeed_xla: compiling" not in stderr for _, stderr in runs["steady"])
+
+
+ANALYSIS = """
+Compilation Analysis: ================================================================================
+Compilation Analysis: Compilation Cause
+Compilation Analysis:   most likely user code trying to access tensor value before torch_xla.sync
+Compilation Analysis: Graph Info: 
+Compilation Analysis:   Graph Hash: c6e10a959d322f404b9f5e34cde1baec
+Compilation Analysis:   Number of Graph Inputs: 2
+Compilation Analysis: Python Frame Triggered Execution: 
+Compilation Analysis:   item (/venv/site-packages/torch/_tensor.py:12)
+Compilation Analysis:   <module> (/work/train.py:15)
+Compilation Analysis: --------------------------------------------------------------------------------
+Compilation Analysis: ================================================================================
+
+Computation hash: 3d3db1748b123c6333f47f783dee646f
+Compilation Analysis: ================================================================================
+Compilation Analysis: Compilation Cause
+Compilation Analysis:   user torch_xla.sync
+"""
+
+
+def test_torch_xlas_analysis_is_read_block_by_block():
+    """A complete block gives its cause, graph and frames; one still being written is left for the next read."""
+    block, = compile_watch.parse_analysis(ANALYSIS)
+    assert block.cause == "most likely user code trying to access tensor value before torch_xla.sync"
+    assert block.graph == "c6e10a959d322f404b9f5e34cde1baec" and not block.at_step_end
+    assert compile_watch.user_frame(block.frames, ("/venv/", )) == compile_watch.Frame("<module>", "/work/train.py", 15)
+    assert compile_watch.explain(block, ("/venv/", ), ("/elsewhere/", )) == compile_watch._READ_CAUSE
+    engine_read = block._replace(frames=(compile_watch.Frame("to_host", "/ds/staging.py", 3), *block.frames))
+    assert compile_watch.explain(engine_read, ("/venv/", ), ("/ds/", )).startswith(
+        "DeepSpeed's own code (to_host at /ds/staging.py:3) ran")
+
+
+@pytest.mark.parametrize("name, value, error", [
+    (compile_watch.WARMUP_ENV, "five", "is not a count of steps"),
+    (compile_watch.NOTICE_ENV, "-1", "is negative"),
+    (compile_watch.NOTICE_ENV, "soon", "is not a number"),
+])
+def test_bad_settings_are_refused_naming_the_fix(name, value, error):
+    with pytest.raises(ValueError, match=f"{name}={value!r} {error}.*set it to"):
+        compile_watch.settings({name: value})
+
+
+def test_the_analysis_is_asked_for_unless_the_user_did(tmp_path):
+    env = {"PJRT_LOCAL_PROCESS_RANK": "0"}
+    compile_watch.enable_analysis(env)
+    assert env["PT_XLA_DEBUG_LEVEL"] == "1" and os.path.isfile(env["PT_XLA_DEBUG_FILE"])
+    os.remove(env["PT_XLA_DEBUG_FILE"])
+    for own in ({"PT_XLA_DEBUG_LEVEL": "2"}, {"PJRT_LOCAL_PROCESS_RANK": "1"}, {compile_watch.SWITCH_ENV: "0"}):
+        env = dict(own)
+        compile_watch.enable_analysis(env)
+        assert env == own
