@@ -178,3 +178,29 @@ def test_the_analysis_is_asked_for_unless_the_user_did(tmp_path):
         env = dict(own)
         compile_watch.enable_analysis(env)
         assert env == own
+
+
+def test_a_long_compilation_is_announced_while_it_runs_and_timed_when_it_ends(monkeypatch):
+    """The notice's thread writes the start of the line once the compilation (a cache miss counted) has run for the
+    notice time; the end of the sync finishes the line with the time. Short or cached syncs write nothing."""
+    import io
+    import time
+    from deepspeed_xla import xla_runtime
+    compiles = [0]
+    monkeypatch.setattr(xla_runtime, "uncached_compiles", lambda: compiles[0])
+    out = io.StringIO()
+    notice = compile_watch.Notice(0.05, out)
+
+    def slow_compile():
+        compiles[0] += 1
+        deadline = time.monotonic() + 30
+        while not out.getvalue() and time.monotonic() < deadline:  # until the thread announced it
+            time.sleep(0.01)
+        assert out.getvalue() == "deepspeed_xla: compiling the step graph (first step)..."
+
+    for graph, sync in (("the step graph (first step)", slow_compile), ("the step graph (step 2)", lambda: None)):
+        before = compiles[0]
+        notice.start(graph, before)
+        sync()
+        notice.end(compiles[0] > before)
+    assert re.fullmatch(r"deepspeed_xla: compiling the step graph \(first step\)\.\.\. \d+ s\n", out.getvalue())
