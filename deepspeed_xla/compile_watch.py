@@ -81,6 +81,14 @@ def _remove(path: str, pid: int) -> None:
             pass
 
 
+def _analysis_level(env: Mapping[str, str]) -> int:
+    """torch_xla's debug level as it reads it (``PT_XLA_DEBUG=1`` alone is 100): 1 and above analyse compilations."""
+    level = env.get("PT_XLA_DEBUG_LEVEL", "").strip()
+    if level.lstrip("-").isdigit():
+        return int(level)
+    return 100 if env.get("PT_XLA_DEBUG", "0").strip() not in ("", "0") else 0
+
+
 class Frame(NamedTuple):
     function: str
     file: str
@@ -263,7 +271,7 @@ class Watch:
         self.repeats = Repeats()
         self.notice = Notice(config.notice_seconds) if rank == 0 else None
         self.compiling_since: Optional[Tuple[str, float, int]] = None  # what ``compiling`` reports to the watchdog
-        self._path = os.environ.get("PT_XLA_DEBUG_FILE") if os.environ.get("PT_XLA_DEBUG_LEVEL") == "1" else None
+        self._path = os.environ.get("PT_XLA_DEBUG_FILE") if _analysis_level(os.environ) >= 1 else None
         self._offset = 0
         self._compiles = xla_runtime.uncached_compiles()  # at the end of the last graph
 
