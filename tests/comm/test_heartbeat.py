@@ -100,10 +100,12 @@ def test_a_rank_that_compiles_says_so_to_its_peers(dogs, monkeypatch):
     dog, peer = dogs
     monkeypatch.setattr(compile_watch, "compiling", lambda: ("the step graph (first step)", 41.2))
     dog._publish_compiling()
+    _until(lambda: peer.compiling(0) is not None, "the compilation was not published")  # a store's set is not acked
     assert peer.compiling(0) in {f"compiling the step graph (first step) for {seconds} s" for seconds in (41, 42)}
     monkeypatch.setattr(compile_watch, "compiling", lambda: None)
     dog._publish_compiling()
-    assert peer.compiling(0) is None and peer.compiling(1) is None
+    _until(lambda: peer.compiling(0) is None, "the compilation's end was not published")
+    assert peer.compiling(1) is None
 
 
 def test_after_a_failed_collective_a_silent_peer_is_named_within_the_heartbeat_timeout(dogs):
