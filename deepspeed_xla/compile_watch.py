@@ -174,6 +174,14 @@ def where(frame: Optional[Frame]) -> str:
     return f"{frame.file}:{frame.line}" if frame else "an unknown line (no Python frame outside the libraries)"
 
 
+def warn_at(message: str, frame: Optional[Frame]) -> None:
+    """A ``RuntimeWarning`` shown at the user's line (Python prints that line under it), else at the caller's."""
+    if frame is None:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    else:
+        warnings.warn_explicit(message, RuntimeWarning, frame.file, frame.line)
+
+
 class Repeats:
     """How often each warning was given, to stop at ``REPEATS`` saying so."""
 
@@ -313,22 +321,23 @@ class Watch:
         if not compilations and at_end:  # torch_xla does not analyse on this process: the sync's own frames
             compilations = [Compilation("", "", stack)]
         if not compilations:
-            self._say(("read", None), step, "outside the step's end, at a line torch_xla analyses on each host's "
-                      "first process only (run this rank there, or with PT_XLA_DEBUG_LEVEL=1)", _READ_CAUSE, "")
+            self._say(("read", None), None, step, "outside the step's end, at a line torch_xla's analysis names on "
+                      "each host's first process only (its warning there names it)", _READ_CAUSE, "")
         for compilation in compilations:
             frame = user_frame(compilation.frames)
             graph = f", graph {compilation.graph}" if compilation.graph else ""
             analysis = f" (torch_xla's compilation analysis: \"{compilation.cause}\"{graph})" if compilation.cause \
                 else ""
-            self._say((compilation.at_step_end, frame), step, f"at {where(frame)}", explain(compilation), analysis)
+            self._say((compilation.at_step_end, frame), frame, step, f"at {where(frame)}", explain(compilation),
+                      analysis)
 
-    def _say(self, key: tuple, step: int, at: str, cause: str, analysis: str) -> None:
+    def _say(self, key: tuple, frame: Optional[Frame], step: int, at: str, cause: str, analysis: str) -> None:
         tail = self.repeats.note(key)
         if tail is None:
             return
-        warnings.warn(f"deepspeed_xla: rank {self.rank} compiled a new graph in optimizer step {step}, after the "
-                      f"{self.config.warmup} warm-up steps ({WARMUP_ENV}), {at}: {cause}{analysis}. Each new graph "
-                      f"costs a compilation.{tail}", RuntimeWarning, stacklevel=2)
+        warn_at(f"deepspeed_xla: rank {self.rank} compiled a new graph in optimizer step {step}, after the "
+                f"{self.config.warmup} warm-up steps ({WARMUP_ENV}), {at}: {cause}{analysis}. Each new graph costs a "
+                f"compilation.{tail}", frame)
 
 
 _watch: Optional[Watch] = None

@@ -5,47 +5,48 @@ A read (``loss.item()``, ``print(t)``, ``.cpu()``) waits for the device to finis
 trace the next step meanwhile; one before ``engine.step()`` also cuts the step's graph in two. The user's code runs
 between the engine's calls (``forward``, ``backward``, ``step``: ``patches/engine.outside_user_code`` marks them); reads
 inside them are DeepSpeed's own (its loss scaler, its progress log every ``steps_per_print`` steps, ZeRO offload) and
-never reported. The user's stretches of the first ``WATCHED_STEPS`` steps after the warm-up run under a dispatch mode
-that notes the line of each op that moved data to the host (torch_xla's transfer count, read around each op on an
-XLA tensor); later stretches only read torch_xla's count of scalar reads (a host counter) and, when it moved, watch
-the next step's the same way. Nothing here reads the device or cuts a graph.
+never reported. The user's stretches of the first ``WATCHED_STEPS`` steps after the warm-up run under a profile
+function that notes the line of each call that moved data to the host (``_Profile``: torch_xla's counts, read
+around each C method of an XLA tensor); later stretches only read torch_xla's count of scalar reads (a host
+counter) and, when it moved, watch the next step's the same way. Nothing here reads the device, cuts a graph or
+changes what is traced.
 """
 import sys
-import warnings
 from typing import Dict, List, Optional
 
 from deepspeed_xla import compile_watch, xla_runtime
 
-WATCHED_STEPS = 3  # optimizer steps after the warm-up whose user code is watched op by op
+WATCHED_STEPS = 3  # optimizer steps after the warm-up whose user code is watched call by call
 
 
-def _has_xla_tensor(values) -> bool:
-    import torch
-    from torch.utils._pytree import tree_leaves
-    return any(isinstance(value, torch.Tensor) and value.device.type == "xla" for value in tree_leaves(values))
+class _Profile:
+    """The profile function (``sys.setprofile``) of a watched stretch: notes where the device was read. A C method
+    of an XLA tensor (``.item()``, ``.cpu()``, ``.tolist()``, within ``print`` too) that moved torch_xla's transfer
+    count is named; a scalar read through a slot (``float(t)``, ``if t:``) is seen by its counter at the next event.
+    Tracing is untouched: the same ops reach torch_xla (a dispatch mode would trace some of them anew)."""
 
+    def __init__(self):
+        import torch
+        self._tensor = torch.Tensor
+        self.reads: List[tuple] = []
+        self._scalars = xla_runtime.scalar_reads()
+        self._pending: Optional[tuple] = None  # (C method of an XLA tensor being called, transfers before it)
 
-def _mode_class():
-    from torch.utils._python_dispatch import TorchDispatchMode
+    def _on_xla_tensor(self, function) -> bool:
+        owner = getattr(function, "__self__", None)
+        return isinstance(owner, self._tensor) and owner.device.type == "xla"
 
-    class ReadsMode(TorchDispatchMode):
-        """Notes the line of each op on an XLA tensor that transferred data to the host."""
-
-        def __init__(self):
-            super().__init__()
-            self.reads = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if not _has_xla_tensor((args, kwargs)):
-                return func(*args, **kwargs)
-            before = xla_runtime.transfers_to_host()
-            result = func(*args, **kwargs)
-            if xla_runtime.transfers_to_host() != before:
-                self.reads.append((func.__name__.split(".")[0], compile_watch.stack_frames(sys._getframe(1))))
-            return result
-
-    return ReadsMode
+    def __call__(self, frame, event: str, arg) -> None:
+        if event == "c_call" and self._on_xla_tensor(arg):
+            self._pending = (arg, xla_runtime.transfers_to_host())
+            return
+        scalars = xla_runtime.scalar_reads()
+        pending, self._pending = (self._pending, None) if event == "c_return" else (None, self._pending)
+        if pending is not None and pending[0] is arg and xla_runtime.transfers_to_host() != pending[1]:
+            self.reads.append((arg.__name__, compile_watch.stack_frames(frame)))
+        elif scalars != self._scalars:
+            self.reads.append(("a scalar read", compile_watch.stack_frames(frame)))
+        self._scalars = scalars
 
 
 class Reads:
@@ -55,7 +56,7 @@ class Reads:
         self.config, self.rank = config, rank
         self.depth = 0  # engine calls in progress (forward calls step's hooks, the pipeline engine nests)
         self.repeats = compile_watch.Repeats()
-        self._mode = None  # the dispatch mode of a watched stretch, while it runs
+        self._profile: Optional[_Profile] = None  # the profile function of a watched stretch, while it runs
         self._scalars: Optional[int] = None  # torch_xla's scalar reads when the stretch began
         self._watch_step: Optional[int] = None  # a later step to watch: its scalar reads moved one step before
         self._framework, self._engine = (), ()  # compile_watch's framework_dirs and engine_dirs, once needed
@@ -64,20 +65,20 @@ class Reads:
         """The engine returned to the user's code after ``step`` optimizer steps."""
         if step < self.config.warmup:
             return
-        if step < self.config.warmup + WATCHED_STEPS or step == self._watch_step:
+        if (step < self.config.warmup + WATCHED_STEPS or step == self._watch_step) and sys.getprofile() is None:
             if not self._framework:
                 self._framework, self._engine = compile_watch.framework_dirs(), compile_watch.engine_dirs()
-            self._mode = _mode_class()()
-            self._mode.__enter__()
+            self._profile = _Profile()
+            sys.setprofile(self._profile)
         else:
             self._scalars = xla_runtime.scalar_reads()
 
     def stretch_ends(self, step: int) -> None:
         """The user's code calls the engine again (``step`` optimizer steps done)."""
-        mode, self._mode = self._mode, None
-        if mode is not None:
-            mode.__exit__(None, None, None)
-            self._report(step, mode.reads)
+        profile, self._profile = self._profile, None
+        if profile is not None:
+            sys.setprofile(None)
+            self._report(step, profile.reads)
         elif self._scalars is not None:
             if xla_runtime.scalar_reads() != self._scalars and self._still_warning():
                 self._watch_step = step + 1
@@ -97,13 +98,13 @@ class Reads:
             tail = self.repeats.note(("read", frame))
             if tail is None:
                 continue
-            warnings.warn(
+            compile_watch.warn_at(
                 f"deepspeed_xla: rank {self.rank} read a device value on the host at {compile_watch.where(frame)} "
                 f"({len(ops)} transfer(s): {', '.join(sorted(set(ops)))}) between optimizer steps {step} and "
-                f"{step + 1}, after the {self.config.warmup} warm-up steps ({compile_watch.WARMUP_ENV}): each read waits for the device "
-                "to finish the work queued so far, so the host cannot trace the next step meanwhile, and a read "
-                "before engine.step() cuts the step's graph in two. Keep the value on the device and read it every N "
-                f"steps (sum the losses into a tensor, read it when you log).{tail}", RuntimeWarning, stacklevel=2)
+                f"{step + 1}, after the {self.config.warmup} warm-up steps ({compile_watch.WARMUP_ENV}): each read "
+                "waits for the device to finish the work queued so far, so the host cannot trace the next step "
+                "meanwhile, and a read before engine.step() cuts the step's graph in two. Keep the value on the device "
+                f"and read it every N steps (sum the losses into a tensor, read it when you log).{tail}", frame)
 
 
 _reads: Optional[Reads] = None
