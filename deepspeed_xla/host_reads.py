@@ -22,7 +22,8 @@ WATCHED_STEPS = 3  # optimizer steps after the warm-up whose user code is watche
 class _Profile:
     """The profile function (``sys.setprofile``) of a watched stretch: notes where the device was read. A C method
     of an XLA tensor (``.item()``, ``.cpu()``, ``.tolist()``, within ``print`` too) that moved torch_xla's transfer
-    count is named; a scalar read through a slot (``float(t)``, ``if t:``) is seen by its counter at the next event.
+    count is named; a scalar read through a slot (``float(t)``, ``if t:``), which calls nothing Python sees, is seen
+    by its counter at the next event and named at the line of the event before it.
     Tracing is untouched: the same ops reach torch_xla (a dispatch mode would trace some of them anew)."""
 
     def __init__(self):
@@ -31,22 +32,27 @@ class _Profile:
         self.reads: List[tuple] = []
         self._scalars = xla_runtime.scalar_reads()
         self._pending: Optional[tuple] = None  # (C method of an XLA tensor being called, transfers before it)
+        self._last: Optional[tuple] = None  # (frame, Frame) of the last event: where a slot's scalar read is named
 
     def _on_xla_tensor(self, function) -> bool:
         owner = getattr(function, "__self__", None)
         return isinstance(owner, self._tensor) and owner.device.type == "xla"
 
     def __call__(self, frame, event: str, arg) -> None:
+        pending, self._pending = self._pending, None
+        if event == "c_return" and pending is not None and pending[0] is arg:
+            if xla_runtime.transfers_to_host() != pending[1]:
+                self.reads.append((arg.__name__, compile_watch.stack_frames(frame)))
+            self._scalars = xla_runtime.scalar_reads()  # the method's own scalar read, named if it transferred
+        elif xla_runtime.scalar_reads() != self._scalars:  # since the last event: named at that event's line
+            frames = compile_watch.stack_frames(frame)
+            if self._last is not None and self._last[0] is frame:
+                frames = (self._last[1], *frames[1:])
+            self.reads.append(("a scalar read", frames))
+            self._scalars = xla_runtime.scalar_reads()
         if event == "c_call" and self._on_xla_tensor(arg):
             self._pending = (arg, xla_runtime.transfers_to_host())
-            return
-        scalars = xla_runtime.scalar_reads()
-        pending, self._pending = (self._pending, None) if event == "c_return" else (None, self._pending)
-        if pending is not None and pending[0] is arg and xla_runtime.transfers_to_host() != pending[1]:
-            self.reads.append((arg.__name__, compile_watch.stack_frames(frame)))
-        elif scalars != self._scalars:
-            self.reads.append(("a scalar read", compile_watch.stack_frames(frame)))
-        self._scalars = scalars
+        self._last = (frame, compile_watch.Frame(frame.f_code.co_name, frame.f_code.co_filename, frame.f_lineno))
 
 
 class Reads:

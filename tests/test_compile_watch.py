@@ -5,6 +5,7 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from tests.multiproc import run_ranks
 
 STEPS, SHAPE_CHANGE, READ_FROM = 12, 6, 7
 #: Lines of ``train_loop`` the warnings must name, found by their text below.
-_SOURCE = open(__file__).read().splitlines()
+_SOURCE = Path(__file__).read_text().splitlines()
 
 
 def _line(marker: str) -> int:
