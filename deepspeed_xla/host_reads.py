@@ -11,6 +11,7 @@ around each C method of an XLA tensor); later stretches only read torch_xla's co
 counter) and, when it moved, watch the next step's the same way. Nothing here reads the device, cuts a graph or
 changes what is traced.
 """
+import os
 import sys
 from typing import Dict, List, Optional
 
@@ -53,6 +54,15 @@ class _Profile:
         if event == "c_call" and self._on_xla_tensor(arg):
             self._pending = (arg, xla_runtime.transfers_to_host())
         self._last = (frame, compile_watch.Frame(frame.f_code.co_name, frame.f_code.co_filename, frame.f_lineno))
+
+
+def _not_in_children() -> None:
+    """A process forked while the user's code is watched (a DataLoader's worker) does not watch itself."""
+    if isinstance(sys.getprofile(), _Profile):
+        sys.setprofile(None)
+
+
+os.register_at_fork(after_in_child=_not_in_children)
 
 
 class Reads:
