@@ -32,8 +32,10 @@ class _Profile:
         self._tensor = torch.Tensor
         self.reads: List[tuple] = []
         self._scalars = xla_runtime.scalar_reads()
-        self._pending: Optional[tuple] = None  # (C method of an XLA tensor being called, transfers before it)
-        self._last: Optional[tuple] = None  # (frame, Frame) of the last event: where a slot's scalar read is named
+        # Only plain values are kept from one event to the next: a frame or a bound method kept would keep tensors
+        # alive, and a sync in the stretch (a host-staged collective) would then compute them too: another graph.
+        self._pending: Optional[tuple] = None  # (id of the C method of an XLA tensor being called, transfers before)
+        self._last: Optional[tuple] = None  # (code, Frame) of the last event: where a slot's scalar read is named
 
     def _on_xla_tensor(self, function) -> bool:
         owner = getattr(function, "__self__", None)
@@ -41,19 +43,20 @@ class _Profile:
 
     def __call__(self, frame, event: str, arg) -> None:
         pending, self._pending = self._pending, None
-        if event == "c_return" and pending is not None and pending[0] is arg:
+        if event == "c_return" and pending is not None and pending[0] == id(arg):
             if xla_runtime.transfers_to_host() != pending[1]:
                 self.reads.append((arg.__name__, compile_watch.stack_frames(frame)))
             self._scalars = xla_runtime.scalar_reads()  # the method's own scalar read, named if it transferred
         elif xla_runtime.scalar_reads() != self._scalars:  # since the last event: named at that event's line
             frames = compile_watch.stack_frames(frame)
-            if self._last is not None and self._last[0] is frame:
+            if self._last is not None and self._last[0] is frame.f_code:
                 frames = (self._last[1], *frames[1:])
             self.reads.append(("a scalar read", frames))
             self._scalars = xla_runtime.scalar_reads()
         if event == "c_call" and self._on_xla_tensor(arg):
-            self._pending = (arg, xla_runtime.transfers_to_host())
-        self._last = (frame, compile_watch.Frame(frame.f_code.co_name, frame.f_code.co_filename, frame.f_lineno))
+            self._pending = (id(arg), xla_runtime.transfers_to_host())
+        code = frame.f_code
+        self._last = (code, compile_watch.Frame(code.co_name, code.co_filename, frame.f_lineno))
 
 
 def _not_in_children() -> None:

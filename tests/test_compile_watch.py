@@ -206,3 +206,23 @@ def test_a_long_compilation_is_announced_while_it_runs_and_timed_when_it_ends(mo
         sync()
         notice.end(compiles[0] > before)
     assert re.fullmatch(r"deepspeed_xla: compiling the step graph \(first step\)\.\.\. \d+ s\n", out.getvalue())
+
+
+def test_a_step_graph_that_misses_the_cache_is_compiling_for_the_watchdog(xla_device, monkeypatch):
+    """What the heartbeat publishes (``compiling``): the graph whose end is being synced, once torch_xla missed its
+    cache for it; nothing before the miss, nor after the sync."""
+    import torch
+    from deepspeed_xla import xla_runtime
+    watch = compile_watch.Watch(compile_watch.Settings(True, 100, 1000.0), rank=1)
+    monkeypatch.setattr(compile_watch, "_watch", watch)
+    seen = []
+
+    def sync():
+        seen.append(compile_watch.compiling())
+        (torch.ones(1, 41, 3, device=xla_device) * 7.25).sum()  # a graph no other test compiles
+        xla_runtime.sync()
+        seen.append(compile_watch.compiling())
+
+    watch.graph_end("the step graph (first step)", 1, sync)
+    assert seen[0] is None and seen[1][0] == "the step graph (first step)" and seen[1][1] >= 0, seen
+    assert compile_watch.compiling() is None
