@@ -219,8 +219,9 @@ def test_a_step_graph_that_misses_the_cache_is_compiling_for_the_watchdog(xla_de
 
     def sync():
         seen.append(compile_watch.compiling())
-        (torch.ones(1, 41, 3, device=xla_device) * 7.25).sum()  # a graph no other test compiles
+        kept = (torch.ones(1, 41, 3, device=xla_device) * 7.25).sum()  # a graph no other test compiles
         xla_runtime.sync()
+        assert kept.device.type == "xla"
         seen.append(compile_watch.compiling())
 
     watch.graph_end("the step graph (first step)", 1, sync)
