@@ -11,7 +11,7 @@ starting anything. ``DS_XLA_COMPILATION_CACHE`` gives each worker torch_xla's pe
 import os
 from typing import Mapping, Optional, Sequence
 
-from deepspeed_xla import xla_runtime
+from deepspeed_xla import compile_watch, xla_runtime
 from deepspeed_xla.devices import DeviceType, current_device_type, wants_xla
 from deepspeed_xla.launch_env import ProcessLayout, is_launcher_process, launched, process_layout
 from deepspeed_xla.process_env import for_this_process
@@ -77,6 +77,7 @@ def prepare_process(device_type: Optional[DeviceType] = None) -> ProcessLayout:
         raise RuntimeError(problem)
     with for_this_process():
         device_type.configure_process(layout.local_rank, layout.local_size, layout.node_rank, os.environ)
+        compile_watch.enable_analysis(os.environ)
         cache = compilation_cache_dir()
         if cache:
             xla_runtime.initialize_cache(cache)

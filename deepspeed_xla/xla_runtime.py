@@ -311,6 +311,25 @@ def metric_totals(name: str) -> Tuple[int, float]:
     return (int(data[0]), float(data[1])) if data else (0, 0.0)
 
 
+def uncached_compiles() -> int:
+    """Graphs this process has compiled or is compiling: torch_xla counts a graph when it misses the in-memory
+    cache, before compiling it. A host counter: no wait, no device read."""
+    return int(torch_xla()._XLAC._xla_counter_value("UncachedCompile") or 0)
+
+
+def scalar_reads() -> int:
+    """Reads of one device value on the host so far (``.item()``, ``float(t)``, ``if t:``: torch_xla's
+    ``_local_scalar_dense`` counter). A host counter, cheap enough for every step; ``transfers_to_host`` counts
+    every transfer but costs a read of the metric's samples (~0.3 ms)."""
+    return int(torch_xla()._XLAC._xla_counter_value("aten::_local_scalar_dense") or 0)
+
+
+def transfers_to_host() -> int:
+    """Device->host transfers so far (torch_xla's ``TransferFromDeviceTime`` samples); a host read, no wait."""
+    data = torch_xla()._XLAC._xla_metric_data("TransferFromDeviceTime")
+    return int(data[0]) if data else 0
+
+
 def execution_clock() -> Tuple[float, Optional[float]]:
     """Seconds the device spent executing graphs so far in this process, and when the latest execution started
     (``time.time()``'s clock; None before the first): torch_xla's ``ExecuteTime``, whose samples are (end, duration)

@@ -60,6 +60,7 @@ class Watchdog:
         self._waiting_since: Optional[float] = None  # set by the job's thread while it waits on peers
         self._waits = 0  # this rank's waits so far, to tell one long wait from two
         self._waiting_key: Optional[str] = None  # the wait published under waiting/<rank>, if any
+        self._compiling_key = ""  # the compilation published under compiling/<rank> (graph and start), if any
         self.collective = None  # what the job's thread waits in (a ``hang_report.Wait``), set by in_collective
         self._reported: set = set()  # the unexpected errors this thread printed
         self.pid = os.getpid()  # a forked child (a DataLoader worker) is not this rank
@@ -105,6 +106,7 @@ class Watchdog:
         if self.checkpoint is not None and self.checkpoint.overdue(self.timeout):
             self.stop_job(self.checkpoint.unsaved(self.timeout, HEARTBEAT_ENV), TERMINATED_EXIT_CODE)
         self._publish_waiting()
+        self._publish_compiling()
         return self.failures.published() or self._check_watched()
 
     def _report(self, exc: Exception) -> None:
@@ -131,8 +133,10 @@ class Watchdog:
         if count != self._count:
             self._count, self._since = count, now
         elif now - self._since > self.timeout:
+            doing = self.compiling(target)
+            last = f" (its last word: {doing.rpartition(' for ')[0]})" if doing else ""
             return (f"rank {target} sent no heartbeat for {self.timeout:g} s: it died, hung, or its host is "
-                    f"unreachable ({HEARTBEAT_ENV}={self.timeout:g})")
+                    f"unreachable{last} ({HEARTBEAT_ENV}={self.timeout:g})")
         return None
 
     def _publish_waiting(self) -> None:
@@ -144,6 +148,23 @@ class Watchdog:
         if key != self._waiting_key:
             self._store.set(f"waiting/{self.rank}", key or "")
             self._waiting_key = key
+
+    def _publish_compiling(self) -> None:
+        """Tell the store which graph this rank compiles, and since when (``compile_watch``), so that a peer that
+        waits for it says so rather than calling it hung; cleared once the compilation ended."""
+        from deepspeed_xla import compile_watch
+        now = compile_watch.compiling()
+        key = f"{time.time() - now[1]:.0f} {now[0]}" if now else ""
+        if key.partition(" ")[2] != self._compiling_key.partition(" ")[2]:
+            self._store.set(f"compiling/{self.rank}", key)
+            self._compiling_key = key
+
+    def compiling(self, rank: int) -> Optional[str]:
+        """What ``rank`` said it compiles, and for how long so far (``compiling ... for 41 s``); None when not."""
+        key = f"compiling/{rank}"
+        value = self._store.get(key).decode() if self._store.check([key]) else ""
+        since, _, graph = value.partition(" ")
+        return f"compiling {graph} for {time.time() - float(since):.0f} s" if graph else None
 
     def _others(self) -> List[int]:
         """The other ranks, in ring order from this one."""

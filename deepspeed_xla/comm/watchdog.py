@@ -173,7 +173,13 @@ def explain_failure(error: Exception) -> NoReturn:
         waits[_watchdog.rank] = _watchdog.collective
         _watchdog.stop_job(f"{hang_report.report(waits, _watchdog.rank, _watchdog.collective_timeout, TIMEOUT_ENV)} "
                            f"{error}")
-    if busy:
+    doing = _watchdog.compiling(busy[0]) if busy else None
+    if doing:
+        explained = RuntimeError(
+            f"rank {busy[0]} did not join the collective that rank {_watchdog.rank} waited in for {TIMEOUT_ENV}="
+            f"{_watchdog.collective_timeout:g} s, and is alive: it is {doing} so far, not hung. Set {TIMEOUT_ENV} "
+            f"(seconds) or DeepSpeed's timeout above the longest compilation. {error}")
+    elif busy:
         explained = RuntimeError(
             f"rank {busy[0]} did not join the collective that rank {_watchdog.rank} waited in for {TIMEOUT_ENV}="
             f"{_watchdog.collective_timeout:g} s, and is alive: still compiling or computing (the first compilation "

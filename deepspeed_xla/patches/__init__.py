@@ -140,6 +140,9 @@ PATCHES = [
     # After both: the counters it writes include the step's graph, cut by sync_after.
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "_take_model_step", monitor.xla_counters_every_print,
           "c4c6e01aa1fc4e7d"),
+    *(Patch("deepspeed.runtime.engine", "DeepSpeedEngine", name, engine.outside_user_code, digest)
+      for name, digest in (("forward", "d99afaac0cfa272e"), ("backward", "b8c4368bee04391d"),
+                           ("step", "02d6a4373435dd8e"))),
     Patch("deepspeed.runtime.engine", "", "create_checkpoint_engine", checkpoints.create_checkpoint_engine,
           "1adbe5fc9cc0c1d1"),
     Patch("deepspeed.runtime.engine", "DeepSpeedEngine", "save_checkpoint", checkpoints.save_checkpoint,

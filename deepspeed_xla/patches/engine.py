@@ -96,12 +96,27 @@ def sync_after(original):
     @functools.wraps(original)
     def sync_after(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        from deepspeed_xla import compile_errors, xla_runtime
+        from deepspeed_xla import compile_errors, compile_watch, xla_runtime
+        step = self.global_steps if original.__name__ == "_take_model_step" else None
+        graph = compile_watch.step_graph(step) if step else "the graph load_checkpoint left to run"
         with compile_errors.naming_refusals(_GRAPH_ENDED_BY[original.__name__].format(step=self.global_steps)):
-            xla_runtime.sync(wait=False)
+            compile_watch.graph_end(self.global_rank, graph, step, lambda: xla_runtime.sync(wait=False))
         return result
 
     return sync_after
+
+
+def outside_user_code(original):
+    """Mark the engine's ``forward``, ``backward`` and ``step`` as DeepSpeed's code for ``host_reads``, which names
+    the device reads of the user's code between them (after the warm-up steps); reads inside them are DeepSpeed's."""
+
+    @functools.wraps(original)
+    def engine_call(self, *args, **kwargs):
+        from deepspeed_xla.host_reads import EngineCall
+        with EngineCall(self):
+            return original(self, *args, **kwargs)
+
+    return engine_call
 
 
 def checkpoint_on_sigterm(original):

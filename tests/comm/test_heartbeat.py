@@ -93,6 +93,21 @@ def test_after_a_failed_collective_live_peers_are_told_apart_in_intervals_not_th
     assert time.monotonic() - began < 50 * INTERVAL
 
 
+def test_a_rank_that_compiles_says_so_to_its_peers(dogs, monkeypatch):
+    """What ``compile_watch`` says this rank compiles reaches the store at the next interval, with its start, and
+    is cleared when it ends: a peer's message then calls the rank compiling, not hung."""
+    from deepspeed_xla import compile_watch
+    dog, peer = dogs
+    monkeypatch.setattr(compile_watch, "compiling", lambda: ("the step graph (first step)", 41.2))
+    dog._publish_compiling()
+    _until(lambda: peer.compiling(0) is not None, "the compilation was not published")  # a store's set is not acked
+    assert peer.compiling(0) in {f"compiling the step graph (first step) for {seconds} s" for seconds in (41, 42)}
+    monkeypatch.setattr(compile_watch, "compiling", lambda: None)
+    dog._publish_compiling()
+    _until(lambda: peer.compiling(0) is None, "the compilation's end was not published")
+    assert peer.compiling(1) is None
+
+
 def test_after_a_failed_collective_a_silent_peer_is_named_within_the_heartbeat_timeout(dogs):
     dog, _ = dogs
     dog.timeout = 1.0
