@@ -8,8 +8,9 @@ inside them are DeepSpeed's own (its loss scaler, its progress log every ``steps
 never reported. The user's stretches of the first ``WATCHED_STEPS`` steps after the warm-up run under a profile
 function that notes the line of each call that moved data to the host (``_Profile``: torch_xla's counts, read
 around each C method of an XLA tensor); later stretches only read torch_xla's count of scalar reads (a host
-counter) and, when it moved, watch the next step's the same way. Nothing here reads the device, cuts a graph or
-changes what is traced.
+counter), and a stretch that read has the next step's watched the same way. A line is warned of when it reads in
+two steps running: a loss read when it is logged every N steps is not the every-step wait this is about. Nothing
+here reads the device, cuts a graph or changes what is traced.
 """
 import os
 import sys
@@ -77,7 +78,8 @@ class Reads:
         self.repeats = compile_watch.Repeats()
         self._profile: Optional[_Profile] = None  # the profile function of a watched stretch, while it runs
         self._scalars: Optional[int] = None  # torch_xla's scalar reads when the stretch began
-        self._watch_step: Optional[int] = None  # a later step to watch: its scalar reads moved one step before
+        self._watch_step: Optional[int] = None  # the next step to watch: this one read
+        self._read_at: Dict[object, int] = {}  # the last step each line read in (None: a counted, unnamed read)
         self._framework, self._engine = (), ()  # compile_watch's framework_dirs and engine_dirs, once needed
 
     def stretch_begins(self, step: int) -> None:
@@ -97,16 +99,18 @@ class Reads:
         profile, self._profile = self._profile, None
         if profile is not None:
             sys.setprofile(None)
-            self._report(step, profile.reads)
+            if self._report(step, profile.reads) and self._still_warning():
+                self._watch_step = step + 1
         elif self._scalars is not None:
             if xla_runtime.scalar_reads() != self._scalars and self._still_warning():
-                self._watch_step = step + 1
+                self._read_at[None], self._watch_step = step, step + 1
         self._scalars = None
 
     def _still_warning(self) -> bool:
         return not self.repeats.counts or min(self.repeats.counts.values()) < compile_watch.REPEATS
 
-    def _report(self, step: int, reads: List[tuple]) -> None:
+    def _report(self, step: int, reads: List[tuple]) -> bool:
+        """Warn of each line that read in this step and in the one before; whether the user's code read."""
         lines: Dict[compile_watch.Frame, List[str]] = {}
         for op, frames in reads:
             innermost = next((frame for frame in frames if not frame.file.startswith(self._framework)), None)
@@ -114,6 +118,10 @@ class Reads:
                 continue  # DeepSpeed's or deepspeed_xla's own read (called from the user's line, or a hook)
             lines.setdefault(innermost, []).append(op)
         for frame, ops in lines.items():
+            running = step - 1 in (self._read_at.get(frame), self._read_at.get(None))
+            self._read_at[frame] = step
+            if not running:
+                continue
             tail = self.repeats.note(("read", frame))
             if tail is None:
                 continue
@@ -124,6 +132,7 @@ class Reads:
                 "waits for the device to finish the work queued so far, so the host cannot trace the next step "
                 "meanwhile, and a read before engine.step() cuts the step's graph in two. Keep the value on the device "
                 f"and read it every N steps (sum the losses into a tensor, read it when you log).{tail}", frame)
+        return bool(lines)
 
 
 _reads: Optional[Reads] = None

@@ -332,6 +332,10 @@ def main(argv=None) -> None:
     parser.add_argument("--load-dir", default=None, help="resume from the latest checkpoint in this directory")
     parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS,
                         help="steps before the XLA counters (and deepspeed_xla.bench's timings) start")
+    parser.add_argument("--read-loss-every-step", action="store_true",
+                        help="read each step's loss on the host as it trains (the tests count those reads); by "
+                             "default the losses stay on the device until a step prints or training ends: a read in "
+                             "every step makes the host wait for the device before it can trace the next step")
     parser.add_argument("--timings", action="store_true",
                         help="keep the losses on the device until training ends and wait for the device at the end "
                              "of every step: step times without per-step device->host transfers")
@@ -396,7 +400,8 @@ def main(argv=None) -> None:
             tokens, targets = make_batch(step * accum + micro_step, data_rank, micro, args.seq, args.vocab)
             yield tokens[:, positions].to(engine.device), targets[:, positions].to(engine.device)
 
-    read = (lambda loss: loss.detach()) if args.timings else (lambda loss: loss.item())
+    each_step = args.read_loss_every_step and not args.timings
+    read = (lambda loss: loss.item()) if each_step else (lambda loss: loss.detach())
     step_losses, clock, start, counters = [], step_clock(), time.time(), {}
     for step in range(first_step, args.steps):
         if step - first_step == args.warmup_steps:

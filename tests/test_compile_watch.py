@@ -107,7 +107,7 @@ def test_a_read_in_the_loop_warns_naming_its_line_a_few_times(runs):
         warned = result["warnings"]
         expected = f"rank {rank} read a device value on the host at {__file__}:{_line('read')} (1 transfer(s): item)"
         assert [expected in text for text in warned] == [True] * compile_watch.REPEATS, warned
-        assert f"between optimizer steps {READ_FROM} and {READ_FROM + 1}," in warned[0]
+        assert f"between optimizer steps {READ_FROM + 1} and {READ_FROM + 2}," in warned[0]  # the second step reading
         assert "does not warn of it again" in warned[-1]
 
 

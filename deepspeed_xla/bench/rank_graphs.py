@@ -75,7 +75,7 @@ def trace_ranks(args: argparse.Namespace, world: int, workdir: Path) -> List[dic
             error = driver.run(cmd, env, workdir / f"{name}.log", args.timeout)
             if error:
                 raise SystemExit(f"tracing {name}'s ranks failed: {error}")
-            cases += [dict(system=system, dtype=dtype, layers=args.layers[0], world=world, rank=rank,
+            cases += [dict(system=system, dtype=dtype, layers=args.layers[0], world=world, rank=rank, donors=None,
                            name=f"{name}-rank{rank}", stablehlo=str(workdir / f"{name}-rank{rank}.mlir"))
                       for rank in range(world)]
     return cases

@@ -98,7 +98,7 @@ def test_buffer_donors_alias_the_state_updated_in_place(compiled, train_module):
         assert donated["alias_size_in_bytes"] >= 12 * weights and undonated["alias_size_in_bytes"] == 0, chip
         assert donated["argument_size_in_bytes"] == undonated["argument_size_in_bytes"]
     for name, case in compiled["cases"].items():
-        if "stage" not in case:
+        if "stage" not in case and "rank" not in case:  # a step graph compiled here: with its donors
             assert case["donors"] > 0 and compiled["by"][name, "v5e"]["memory"]["alias_size_in_bytes"] > 0, name
 
 

@@ -43,7 +43,8 @@ def train_arguments(workdir: Path, label: str, config: dict, steps: int, train_a
     config_path = workdir / f"{label}-config.json"
     config_path.write_text(json.dumps(config))
     out = workdir / f"{label}-losses.json"
-    return ["--deepspeed_config", str(config_path), "--steps", str(steps), "--losses-out", str(out), *train_args], out
+    return ["--deepspeed_config", str(config_path), "--steps", str(steps), "--losses-out", str(out),
+            "--read-loss-every-step", *train_args], out
 
 
 def accelerator_env(accelerator: Optional[str], num_procs: int) -> dict:
