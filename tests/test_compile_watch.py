@@ -89,17 +89,19 @@ def test_a_batch_of_another_shape_after_warm_up_warns_naming_the_users_line(runs
         assert steps and steps[0] == SHAPE_CHANGE, warned
         assert {re.search(r", at (\S+): ", text).group(1) for text in warned} <= lines, warned
         step_end = [text for text in warned if f"{__file__}:{_line('step end')}: " in text]
-        assert step_end and "Usually a batch of another shape" in step_end[0], warned
+        assert step_end and (rank or "Usually a batch of another shape" in step_end[0]), warned
         assert all("DeepSpeed's own code" in text for text in warned if text not in step_end), warned
 
 
 def test_the_analysis_is_torch_xlas_on_the_first_process(runs):
-    """Rank 0 (the host's first process) quotes torch_xla's compilation analysis; rank 1 names the same line from
-    the sync's own frames."""
+    """Rank 0 (the host's first process) quotes torch_xla's compilation analysis; rank 1 names the same step-end
+    line, from the sync's own frames where torch_xla does not analyse (whether it does on a process forked from the
+    tests' fork server, which imported torch_xla before the rank's setup, depends on what that server ran before)."""
     (rank0, _), (rank1, _) = runs["shape"]
     assert any("(torch_xla's compilation analysis: \"user torch_xla.sync\", graph " in text
                for text in rank0["warnings"]), rank0["warnings"]
-    assert not any("torch_xla's compilation analysis" in text for text in rank1["warnings"]), rank1["warnings"]
+    step_end = f"at {__file__}:{_line('step end')}: "
+    assert any(step_end in text for text in rank0["warnings"]) and any(step_end in text for text in rank1["warnings"])
 
 
 def test_a_read_in_the_loop_warns_naming_its_line_a_few_times(runs):
