@@ -9,6 +9,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from deepspeed_xla.launch_env import free_port
@@ -153,6 +154,13 @@ def start_ranks(target: str, world_size: int, env: Optional[dict] = None,
     return procs, logs
 
 
+def remove_cpu_comm_buffers(master_port: str) -> None:
+    """DeepSpeed's CPU accelerator leaves a 69 MB shared-memory all-reduce buffer per rank in /dev/shm
+    (named after the master port) when its processes exit; a test run would pile up gigabytes of RAM."""
+    for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{master_port}_*"):
+        buffer.unlink(missing_ok=True)
+
+
 def run_ranks(target: str, world_size: int, env: Optional[dict] = None, timeout: float = 240,
               after_import: Sequence[str] = (), args: Sequence[str] = ()) -> List[subprocess.CompletedProcess]:
     """Call ``target`` once per rank (see ``start_ranks``) and wait for all of them.
@@ -160,7 +168,14 @@ def run_ranks(target: str, world_size: int, env: Optional[dict] = None, timeout:
     On timeout every rank is killed and its stderr says so, so a hang fails the test instead of blocking it.
     """
     deadline = time.monotonic() + timeout
-    procs, logs = start_ranks(target, world_size, env, after_import, args)
+    env = {"MASTER_PORT": free_port(), **(env or {})}
+    try:
+        return _wait_for_ranks(*start_ranks(target, world_size, env, after_import, args), deadline, timeout)
+    finally:
+        remove_cpu_comm_buffers(str(env["MASTER_PORT"]))
+
+
+def _wait_for_ranks(procs: list, logs: list, deadline: float, timeout: float) -> List[subprocess.CompletedProcess]:
     results = []
     for rank, (proc, (out, err)) in enumerate(zip(procs, logs)):
         try:

@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence, Tuple
 from deepspeed_xla.launch_env import free_port
 from tests.conftest import REPO, VENV_BIN, clean_env
 from tests.multiproc.commands import run_command
-from tests.multiproc.forking import run_ranks
+from tests.multiproc.forking import remove_cpu_comm_buffers, run_ranks
 
 TRAIN = REPO / "scripts" / "train.py"
 TRAIN_MANY = REPO / "tests" / "train_many.py"
@@ -92,13 +92,6 @@ def training_command(workdir: Path, accelerator: Optional[str], config: dict, nu
     return (*launch_command([TRAIN, *args], accelerator, num_procs, extra_env, launcher), out)
 
 
-def remove_cpu_comm_buffers(master_port: str) -> None:
-    """DeepSpeed's CPU accelerator leaves a 69 MB shared-memory all-reduce buffer per rank in /dev/shm
-    (named after the master port) when its processes exit; a test run would pile up gigabytes of RAM."""
-    for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{master_port}_*"):
-        buffer.unlink(missing_ok=True)
-
-
 def run_job(cmd: List[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """Run a ``launch_command`` to its end; it must succeed."""
     port = next((cmd[i + 1] for i, arg in enumerate(cmd) if arg in ("--master_port", "--main_process_port")),
@@ -141,11 +134,7 @@ def run_forked_job(target: str, accelerator: str, world_size: int, extra_env: Op
                    timeout: float = 600, after_import: Sequence[str] = (), args: Sequence[str] = ()) -> None:
     """``run_ranks(target)`` on ``accelerator`` with the variables a launched run gets (``accelerator_env``); every
     rank must succeed."""
-    port = free_port()
-    env = {**accelerator_env(accelerator, world_size), **(extra_env or {}), "MASTER_PORT": port}
-    try:
-        procs = run_ranks(target, world_size, env=env, timeout=timeout, after_import=after_import, args=args)
-    finally:
-        remove_cpu_comm_buffers(str(port))
+    env = {**accelerator_env(accelerator, world_size), **(extra_env or {})}
+    procs = run_ranks(target, world_size, env=env, timeout=timeout, after_import=after_import, args=args)
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f"{accelerator} rank {rank} failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
