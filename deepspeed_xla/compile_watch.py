@@ -13,6 +13,7 @@ a compilation at the step's end is named from the Python stack of the sync that 
 records. Counting adds two host counter reads per step: no device read, no graph cut.
 """
 import atexit
+import functools
 import os
 import re
 import sys
@@ -43,6 +44,13 @@ class Settings(NamedTuple):
     enabled: bool
     warmup: int
     notice_seconds: float
+
+
+@functools.lru_cache(maxsize=None)
+def process_settings() -> Settings:
+    """``settings()`` of this process, read once: ``watch`` and ``host_reads.reads`` ask at every engine call and
+    step, and with the warnings off nothing else keeps the answer."""
+    return settings()
 
 
 def settings(env: Mapping[str, str] = os.environ) -> Settings:
@@ -347,7 +355,7 @@ def watch(rank: int) -> Optional[Watch]:
     """This process's ``Watch`` (None with ``DS_XLA_STEP_WARNINGS=0``)."""
     global _watch
     if _watch is None:
-        config = settings()
+        config = process_settings()
         if not config.enabled:
             return None
         _watch = Watch(config, rank)

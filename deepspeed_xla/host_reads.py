@@ -142,7 +142,7 @@ def reads(rank: int) -> Optional[Reads]:
     """This process's ``Reads`` (None with ``DS_XLA_STEP_WARNINGS=0``)."""
     global _reads
     if _reads is None:
-        config = compile_watch.settings()
+        config = compile_watch.process_settings()
         if not config.enabled:
             return None
         _reads = Reads(config, rank)

@@ -306,8 +306,7 @@ def graph_counters() -> dict:
 def metric_totals(name: str) -> Tuple[int, float]:
     """How many samples torch_xla's metric ``name`` took in this process, and their sum (nanoseconds for a ``*Time``
     metric, bytes for ``InboundData``); ``(0, 0.0)`` before its first. Host numbers: reading them reads no device."""
-    import torch_xla.debug.metrics as met
-    data = met.metric_data(name)
+    data = torch_xla()._XLAC._xla_metric_data(name)
     return (int(data[0]), float(data[1])) if data else (0, 0.0)
 
 
@@ -326,8 +325,7 @@ def scalar_reads() -> int:
 
 def transfers_to_host() -> int:
     """Device->host transfers so far (torch_xla's ``TransferFromDeviceTime`` samples); a host read, no wait."""
-    data = torch_xla()._XLAC._xla_metric_data("TransferFromDeviceTime")
-    return int(data[0]) if data else 0
+    return metric_totals("TransferFromDeviceTime")[0]
 
 
 def execution_clock() -> Tuple[float, Optional[float]]:
