@@ -36,6 +36,8 @@ REPEATS = 3  # warnings per cause and line; the last one says it is the last
 #: What the user may have set to see torch_xla's analysis where they want it: then it is theirs, not read here.
 _USER_ANALYSIS = ("PT_XLA_DEBUG", "PT_XLA_DEBUG_LEVEL", "PT_XLA_DEBUG_FILE")
 _PREFIX = "Compilation Analysis: "
+_FILE_PREFIX = "deepspeed_xla-compilations-"  # then the writing process's id, so that an orphan can be told
+_ORPHAN = re.compile(re.escape(_FILE_PREFIX) + r"(\d+)-\w+\.txt")
 _FRAME = re.compile(r"^\s+(.*) \((.+):(\d+)\)$")
 _THIS_FILE = os.path.join("deepspeed_xla", "compile_watch.py")  # graph_end's, in a frame: the step's end
 
@@ -75,10 +77,30 @@ def enable_analysis(env: MutableMapping[str, str]) -> None:
     if (not settings(env).enabled or any(name in env for name in _USER_ANALYSIS)
             or env.get("PJRT_LOCAL_PROCESS_RANK", "0") != "0"):
         return
-    handle, path = tempfile.mkstemp(prefix="deepspeed_xla-compilations-", suffix=".txt")
+    _remove_orphans(tempfile.gettempdir())
+    handle, path = tempfile.mkstemp(prefix=f"{_FILE_PREFIX}{os.getpid()}-", suffix=".txt")
     os.close(handle)
     atexit.register(_remove, path, os.getpid())
     env.update(PT_XLA_DEBUG_LEVEL="1", PT_XLA_DEBUG_FILE=path, PT_XLA_DEBUG_MAX_FRAME="64")
+
+
+def _remove_orphans(folder: str) -> None:
+    """Remove the analysis files of this user's processes that ended without their exit handlers (killed, or
+    ``os._exit``: a launcher tearing a job down), which would otherwise stay in the temporary folder for ever."""
+    for name in os.listdir(folder):
+        match = _ORPHAN.fullmatch(name)
+        if match and not _alive(int(match.group(1))):
+            _remove(os.path.join(folder, name), os.getpid())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: not ours to judge
+        return True
+    return True
 
 
 def _remove(path: str, pid: int) -> None:

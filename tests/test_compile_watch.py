@@ -184,6 +184,27 @@ def test_the_analysis_is_asked_for_unless_the_user_did(tmp_path):
         assert env == own
 
 
+def test_the_files_of_processes_that_died_without_their_exit_handler_are_removed(tmp_path, monkeypatch):
+    """A killed worker leaves its analysis file behind; the next process that asks for the analysis removes it, and
+    not the file of a process still running."""
+    import subprocess
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f"deepspeed_xla-compilations-{dead.pid}-abc123.txt"
+    live = tmp_path / f"deepspeed_xla-compilations-{os.getppid()}-def456.txt"
+    unrelated = tmp_path / f"deepspeed_xla-compilations-{dead.pid}.log"
+    for path in (orphan, live, unrelated):
+        path.write_text("x")
+    env = {"PJRT_LOCAL_PROCESS_RANK": "0"}
+    compile_watch.enable_analysis(env)
+    own = env["PT_XLA_DEBUG_FILE"]
+    assert os.path.dirname(own) == str(tmp_path) and f"-{os.getpid()}-" in os.path.basename(own)
+    assert not orphan.exists() and live.exists() and unrelated.exists()
+    os.remove(own)
+
+
 def test_a_long_compilation_is_announced_while_it_runs_and_timed_when_it_ends(monkeypatch):
     """The notice's thread writes the start of the line once the compilation (a cache miss counted) has run for the
     notice time; the end of the sync finishes the line with the time. Short or cached syncs write nothing."""
