@@ -312,6 +312,7 @@ class Watch:
         self._path = os.environ.get("PT_XLA_DEBUG_FILE") if _analysis_level(os.environ) >= 1 else None
         self._offset = 0
         self._compiles = xla_runtime.uncached_compiles()  # at the end of the last graph
+        self.expected: set = set()  # optimizer steps whose new graphs deepspeed_xla itself asked for
 
     def _analysis(self) -> List[Compilation]:
         """torch_xla's analysis blocks written since the last call (none where it writes none)."""
@@ -340,7 +341,7 @@ class Watch:
             self.compiling_since = None
             if self.notice:
                 self.notice.end(after > before)
-        watched = step is not None and step > self.config.warmup
+        watched = step is not None and step > self.config.warmup and step not in self.expected
         if after > self._compiles and watched:
             self._warn(step, self._analysis(), after > before, stack_frames())
         elif after > self._compiles:
@@ -391,6 +392,14 @@ def graph_end(rank: int, graph: str, step: Optional[int], sync) -> None:
         sync()
     else:
         current.graph_end(graph, step, sync)
+
+
+def expect_compilations(rank: int, step: int) -> None:
+    """The new graphs of optimizer ``step`` are deepspeed_xla's own choice (the flops profiler's timed steps run the
+    step as three graphs): not warned of, as the user has nothing to change. Their compile notice stays."""
+    current = watch(rank)
+    if current is not None:
+        current.expected.add(step)
 
 
 def step_graph(step: int) -> str:

@@ -6,7 +6,8 @@ showed a 7.3 s forward (64x low FLOPS) against a 143 ms step. Here no module is 
 graph); the engine's forward, backward and step timers wait for the device at their boundaries instead, on the
 profiled step and on the step before it, whose three graphs (forward, backward, update) are the ones the profiled
 step runs: the profiled step compiles nothing. Every rank cuts the same graphs: ranks running different graphs around
-an in-graph collective hang.
+an in-graph collective hang. The timed steps' graphs are this patch's doing, so ``compile_watch`` does not warn of
+them.
 """
 import contextlib
 import functools
@@ -50,6 +51,9 @@ def start_timers_on_the_device(original):
     def start_timers(self, timer_names):
         if timer_names is self.engine_timers.forward_timers:
             self.__dict__[_TIMED_STEP] = _timed_step(self)
+            if self.__dict__[_TIMED_STEP]:
+                from deepspeed_xla import compile_watch
+                compile_watch.expect_compilations(self.global_rank, self.global_steps + 1)
         _wait_at_a_timed_boundary(self, timer_names)
         return original(self, timer_names)
 
