@@ -4,9 +4,9 @@ tensors: ``comm``), in one table, each guarded by the version it was written for
 The startup hook calls ``on_module_loaded`` as each target module finishes importing, and only when
 the XLA accelerator is DeepSpeed's. ``tests/patches/test_table.py`` fails when an upstream target changes.
 The wrappers live in one module per subsystem they patch: DeepSpeed's ``engine`` (its checkpoints: ``checkpoints``;
-what it and ZeRO-3 keep of an engine after ``destroy()``: ``lifetime``), ``zero`` (ZeRO-3's flat gradient buffer:
-``zero3_grads``; its gradient reduce-scatter: ``zero3_reduce``; what ``deepspeed.initialize`` does once per
-parameter: ``zero_startup``; its per-module hooks: ``zero3_hooks``),
+what it and ZeRO-3 keep of an engine after ``destroy()``: ``lifetime``), ``zero`` (ZeRO-1/2's weights held once:
+``zero_params``; ZeRO-3's flat gradient buffer: ``zero3_grads``; its gradient reduce-scatter: ``zero3_reduce``; what
+``deepspeed.initialize`` does once per parameter: ``zero_startup``; its per-module hooks: ``zero3_hooks``),
 ``precision``, ``grad_checks``, ``config``, ``nvtx`` (its ranges, which XLA does not record), ``monitor`` (XLA's
 counters in its monitors), ``compiler``,
 ``launcher``, ``comm``, ``tensor_parallel``, the two places where the Hugging Face stack runs DeepSpeed
@@ -22,7 +22,8 @@ from importlib import metadata
 from deepspeed_xla.devices import wants_xla
 from deepspeed_xla.patches import (accelerate, checkpoints, comm, compiler, config, engine, flops_profiler, grad_checks,
                                   hub_kernels, launcher, lifetime, mixed_dtypes, monitor, nvtx, precision,
-                                  tensor_parallel, trainer, zero, zero3_grads, zero3_hooks, zero3_reduce, zero_startup)
+                                  tensor_parallel, trainer, zero, zero3_grads, zero3_hooks, zero3_reduce, zero_params,
+                                  zero_startup)
 # WRITTEN_FOR, VERSIONS, SUPPORTED, Patch, is_applied, source_digest and upstream_digest are this package's API too.
 from deepspeed_xla.patches.registry import (SUPPORTED, VERSIONS, WRITTEN_FOR, Patch, _apply, in_range, is_applied,
                                             label, releases, requirement, source_digest, upstream_digest)
@@ -84,6 +85,20 @@ PATCHES = [
     *(Patch(_STAGE_1_AND_2, "DeepSpeedZeroOptimizer", method, zero.stage_1_and_2_offload_flush, digest)
       for method, digest in (("independent_gradient_partition_epilogue", "26ceef6d75b34b97"),
                              ("_finalize_cpu_offload_gradient_accumulation", "6228bc321fee7607"))),
+    # Every function of the class that reads its flat bit16 buffers or their partitions, which zero_params makes per
+    # step: a change to any of them must be looked at.
+    Patch(_STAGE_1_AND_2, "DeepSpeedZeroOptimizer", "__init__", zero_params.params_own_their_buffers,
+          "3cea7405a1c12cbe",
+          reads=("__init__", "_update_model_bit16_weights", "flatten_dense_tensors_aligned",
+                 "get_data_parallel_partitions", "_link_all_hp_params", "step", "update_lp_params",
+                 "_restore_from_bit16_weights", "get_bit16_param_group", "_expand_unpadded_flat_group",
+                 "offload_states", "reload_states")),
+    *(Patch(_STAGE_1_AND_2, "DeepSpeedZeroOptimizer", method, wrapper, digest)
+      for method, wrapper, digest in (
+          ("_update_model_bit16_weights", zero_params.bit16_weights_in_place, "f6e3c0c53b4a7e06"),
+          ("step", zero_params.in_one_flat_buffer, "9520884fd916d178"),
+          ("update_lp_params", zero_params.lp_params_into_params, "3cdce069e3c66082"),
+          ("_link_all_hp_params", zero_params.fragments_after_linking, "e91c2f7e8f29ef11"))),
     Patch("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "partition_grads",
           zero3_grads.stage3_partition_grads, "bb90de763f44e437",
           reads=("partition_grads", "__init__", "_offload_grad_partition_at_boundary")),

@@ -276,3 +276,18 @@ def test_nothing_grows_with_smaller_buckets(step_graph_cases):
         usual = default[small["system"], small["dtype"], small["layers"]]
         for key in ("elementwise_ops", "movement_elements", "dot_flops"):
             assert small[key] <= usual[key] * 1.01, (small["system"], key, small[key], usual[key])
+
+
+def test_zero_1_and_2_hold_the_weights_once(step_graph_cases, train_module):
+    """A ZeRO-1/2 step reads and writes the floor's state, and in fp32 DeepSpeed's fp32 master partition besides (at
+    world 1 a second copy of the fp32 weights): the parameters own their buffers, with no flat copy of them beside
+    (``patches/zero_params.py``). Upstream's layout read one more weight-sized buffer in bf16 and two in fp32 (1.14x
+    and 1.66x the floor's bytes at 2 layers)."""
+    rows = _by_case(step_graph_cases["traced"])
+    for (system, dtype, layers), row in rows.items():
+        if system in ("zero1", "zero2"):
+            floor = rows["floor", dtype, layers]
+            weights = sum(p.numel() for p in train_module.TinyGPT(64, DIM, layers, seq=64).parameters())
+            master = 4 * weights if dtype == "fp32" else 0
+            for key in ("bytes_read", "bytes_written"):
+                assert floor[key] + master <= row[key] <= floor[key] + master + 256, (system, dtype, layers, key)

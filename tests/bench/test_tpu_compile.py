@@ -91,13 +91,18 @@ def test_arguments_are_the_traced_state_per_chip(compiled, train_module):
 
 def test_buffer_donors_alias_the_state_updated_in_place(compiled, train_module):
     """With the donors of torch_xla's compile, the floor's weights and moments are aliased to the outputs that
-    update them, as in a run; the same module without them aliases nothing."""
+    update them, as in a run; the same module without them aliases nothing. ZeRO-1/2 update every argument but the
+    batch in place: no second copy of the state on a chip (``patches/zero_params.py``: the parameters own their
+    buffers; upstream's flat copy of the weights was an argument never donated)."""
     weights = sum(p.numel() for p in train_module.TinyGPT(64, 64, 2, seq=64).parameters())
     for chip in CHIPS:
         donated = compiled["by"]["floor-fp32-2", chip]["memory"]
         undonated = compiled["by"]["floor-fp32-undonated", chip]["memory"]
         assert donated["alias_size_in_bytes"] >= 12 * weights and undonated["alias_size_in_bytes"] == 0, chip
         assert donated["argument_size_in_bytes"] == undonated["argument_size_in_bytes"]
+        for name in (f"{system}-{dtype}-2" for system in ("zero1", "zero2") for dtype in ("fp32", "bf16")):
+            memory = compiled["by"][name, chip]["memory"]
+            assert memory["alias_size_in_bytes"] >= memory["argument_size_in_bytes"] - 64 * 1024, (name, chip, memory)
     for name, case in compiled["cases"].items():
         if "stage" not in case and "rank" not in case:  # a step graph compiled here: with its donors
             assert case["donors"] > 0 and compiled["by"][name, "v5e"]["memory"]["alias_size_in_bytes"] > 0, name
