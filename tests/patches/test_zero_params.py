@@ -3,25 +3,27 @@ through its flat buffers outside a step (a load's ``update_lp_params``) still re
 holds the weights once: tests/bench/test_cost.py::test_zero_1_and_2_hold_the_weights_once and test_tpu_compile.py."""
 import json
 
-import pytest
-
 from tests.multiproc import run_ranks
 
 CASES = {"zero1-fp32": (1, False), "zero2-bf16": (2, True)}
 
 
 def own_buffers_rank() -> None:
-    """Run by ``run_ranks`` on 2 XLA ranks: per case, an engine trained 2 steps, its fp32 partition halved and written
-    back with ``update_lp_params``, then doubled and written back, then 2 steps more; and a fresh engine trained the
-    same 4 steps without the writes."""
+    """Run by ``run_ranks`` on 2 XLA ranks: each case in turn (``own_buffers_case``)."""
+    import deepspeed
+    deepspeed.init_distributed()
+    print(json.dumps({case: own_buffers_case(*CASES[case]) for case in CASES}))
+
+
+def own_buffers_case(stage: int, bf16: bool) -> dict:
+    """An engine trained 2 steps, its fp32 partition halved and written back with ``update_lp_params``, then doubled
+    and written back, then 2 steps more; and a fresh engine trained the same 4 steps without the writes."""
     import sys
     import deepspeed
     import torch
     from tests.conftest import REPO
     sys.path.insert(0, str(REPO / "scripts"))
     from train import TinyGPT, make_batch
-    deepspeed.init_distributed()
-    stage, bf16 = CASES[sys.argv[-1]]
     config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "bf16": {"enabled": bf16}}
 
@@ -61,18 +63,18 @@ def own_buffers_rank() -> None:
     engine.destroy()
     fresh, fresh_steps = engine_and_steps()
     record["reference"] = fresh_steps(0, 4)
-    print(json.dumps(record))
+    fresh.destroy()
+    return record
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_parameters_own_their_buffers_and_follow_every_write(case):
+def test_parameters_own_their_buffers_and_follow_every_write():
     """The flat buffer DeepSpeed reads is the parameters'; a halved fp32 partition written back by ``update_lp_params`` halves every parameter, and doubled back
     the training goes on as a fresh engine's; the two ranks' losses differ (their batches do)."""
-    procs = run_ranks("tests.patches.test_zero_params:own_buffers_rank", 2, env={"DS_ACCELERATOR": "xla"},
-                      args=(case, ))
+    procs = run_ranks("tests.patches.test_zero_params:own_buffers_rank", 2, env={"DS_ACCELERATOR": "xla"})
     assert all(proc.returncode == 0 for proc in procs), [proc.stderr[-4000:] for proc in procs]
-    records = [json.loads(proc.stdout.strip().splitlines()[-1]) for proc in procs]
-    for record in records:
-        assert record["flat_is_params"] and record["halved"], record
-        assert record["losses"] == record["reference"], record
-    assert records[0]["losses"] != records[1]["losses"]
+    ranks = [json.loads(proc.stdout.strip().splitlines()[-1]) for proc in procs]
+    for case in CASES:
+        for rank in ranks:
+            assert rank[case]["flat_is_params"] and rank[case]["halved"], (case, rank[case])
+            assert rank[case]["losses"] == rank[case]["reference"], (case, rank[case])
+        assert ranks[0][case]["losses"] != ranks[1][case]["losses"], case
