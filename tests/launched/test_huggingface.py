@@ -52,6 +52,18 @@ TRAINER_SCHEDULED = ("zero1", )
 LOSS_RTOL = {False: 1e-4 / 3.0, True: 3 * 2 ** -8}
 # GPT-2's key biases (the middle third of c_attn.bias) get round-off gradients that Adam scales to steps of lr.
 KEY_BIAS = ("c_attn.bias", 2 * 3e-3 * STEPS + 1e-3)
+# The saved model: hf_train.py's GPT-2 with one block instead of two, every kind of parameter the runs train (a
+# ZeRO-3 run compiled 73 graphs in 3.2 s per rank instead of 85 in 4.5 s).
+MODEL = {"layers": 1}
+
+
+def save_model(model_dir: Path) -> None:
+    """The model every run starts from (``MODEL``), written by ``hf_train.build_model`` on the host."""
+    from deepspeed_xla.bench.example import load_example
+    from transformers import set_seed
+    hf_train = load_example(str(HF_TRAIN))
+    set_seed(0)
+    hf_train.build_model(hf_train.ExampleArguments(**MODEL)).save_pretrained(model_dir)
 
 
 def ds_config(stage: int, scheduler: bool = True) -> dict:
@@ -146,19 +158,11 @@ class HfRuns:
             launcher_args = ("--config_file", config_file)
         self._job(launcher, runs, extra_env, launcher, launcher_args)
 
-    def _save_model(self) -> None:
-        """The model every run starts from, written by ``hf_train.build_model`` on the host."""
-        from deepspeed_xla.bench.example import load_example
-        from transformers import set_seed
-        hf_train = load_example(str(HF_TRAIN))
-        set_seed(0)
-        hf_train.build_model(hf_train.ExampleArguments()).save_pretrained(self.model_dir)
-
     def run_all(self) -> None:
         with self._lock:
             if self.results:
                 return
-            self._save_model()
+            save_model(self.model_dir)
             errors = []
 
             def guarded(job, *args):
