@@ -7,7 +7,7 @@ folder of the venv and names it in ``DSX_HF_OLDEST``; these runs put it first on
 """
 import json
 import os
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,7 @@ import pytest
 from deepspeed_xla.patches import registry
 from tests.conftest import FIXTURES, REPO
 from tests.launched.test_huggingface import (HF_TRAIN, LAUNCHERS, TRAINER_ARGS, TRAIN_MANY, _accelerate_config,
-                                             assert_trains_like, ds_config)
+                                             assert_trains_like, ds_config, save_model)
 from tests.multiproc import launch_command, run_command, run_forked_job, run_python
 
 STAGE = 2
@@ -62,46 +62,40 @@ def _result(workdir: Path) -> dict:
     return result
 
 
+def _cpu_job(root: Path, folder: Path) -> None:
+    plan = _plan(root / "cpu", "cpu")
+    run_forked_job("tests.train_many:main", "cpu", 2, {
+        "USE_TORCH_XLA": "0", "PYTHONPATH": f"{folder}{os.pathsep}{FIXTURES / 'huggingface'}",
+        "DSX_TEST_HF_CPU_REFERENCE": "1"}, timeout=600, args=["--script", HF_TRAIN, "--runs", plan])
+
+
+def _xla_job(root: Path, folder: Path, launcher: str) -> str:
+    """One launcher's job; its output."""
+    plan = _plan(root / launcher, launcher)
+    launcher_args = ()
+    if launcher == "accelerate":
+        config = json.loads(plan.read_text())[0]["env"]["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
+        launcher_args = ("--config_file", _accelerate_config(root / "accelerate.yaml", Path(config)))
+    cmd, env = launch_command([TRAIN_MANY, "--script", HF_TRAIN, "--runs", plan], "xla", 2, {
+        "PYTHONPATH": f"{folder}{os.pathsep}{FIXTURES / 'cpuinfo_cache'}"}, launcher, launcher_args)
+    proc = run_command(cmd, 600, cwd=root / launcher, env=env)
+    assert proc.returncode == 0, f"{launcher}: {proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout + proc.stderr
+
+
 @pytest.fixture(scope="module")
 def oldest_runs(tmp_path_factory) -> dict:
-    """The model every run starts from (saved on the host with the newest transformers), the CPU accelerator's run
-    (forked ranks) beside one launched XLA job per launcher, all importing the oldest releases: results and output."""
+    """The model every run starts from (test_huggingface's, saved on the host with the newest transformers), the CPU
+    accelerator's run (forked ranks) and one launched XLA job per launcher, all importing the oldest releases, all at
+    once: a job is mostly its processes starting one after the other, which leaves a core idle (the fixture took
+    128 s with the XLA jobs in turn, 61 s so). Results and output."""
     folder, root = oldest_folder(), tmp_path_factory.mktemp("huggingface-oldest")
-    from deepspeed_xla.bench.example import load_example
-    from transformers import set_seed
-    hf_train = load_example(str(HF_TRAIN))
-    set_seed(0)
-    hf_train.build_model(hf_train.ExampleArguments()).save_pretrained(root / "model")
-    errors = []
-
-    def cpu_job():
-        try:
-            plan = _plan(root / "cpu", "cpu")
-            run_forked_job("tests.train_many:main", "cpu", 2, {
-                "USE_TORCH_XLA": "0", "PYTHONPATH": f"{folder}{os.pathsep}{FIXTURES / 'huggingface'}",
-                "DSX_TEST_HF_CPU_REFERENCE": "1"}, timeout=600, args=["--script", HF_TRAIN, "--runs", plan])
-        except BaseException as error:
-            errors.append(error)
-
-    cpu = threading.Thread(target=cpu_job)
-    cpu.start()
-    outputs = {}
-    try:
-        for launcher in LAUNCHERS:
-            plan = _plan(root / launcher, launcher)
-            launcher_args = ()
-            if launcher == "accelerate":
-                config = json.loads(plan.read_text())[0]["env"]["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
-                launcher_args = ("--config_file", _accelerate_config(root / "accelerate.yaml", Path(config)))
-            cmd, env = launch_command([TRAIN_MANY, "--script", HF_TRAIN, "--runs", plan], "xla", 2, {
-                "PYTHONPATH": f"{folder}{os.pathsep}{FIXTURES / 'cpuinfo_cache'}"}, launcher, launcher_args)
-            proc = run_command(cmd, 600, cwd=root / launcher, env=env)
-            assert proc.returncode == 0, f"{launcher}: {proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-            outputs[launcher] = proc.stdout + proc.stderr
-    finally:
-        cpu.join()
-    if errors:
-        raise errors[0]
+    save_model(root / "model")
+    with ThreadPoolExecutor(max_workers=1 + len(LAUNCHERS)) as pool:
+        cpu = pool.submit(_cpu_job, root, folder)
+        jobs = {launcher: pool.submit(_xla_job, root, folder, launcher) for launcher in LAUNCHERS}
+        outputs = {launcher: job.result() for launcher, job in jobs.items()}
+        cpu.result()
     return {"root": root, "outputs": outputs, "cpu": _result(root / "cpu"),
             **{launcher: _result(root / launcher) for launcher in LAUNCHERS}}
 
