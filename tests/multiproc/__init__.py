@@ -4,10 +4,11 @@ session shares (``trainings``), per-rank records on both accelerators (``records
 (``comparison``). Tests import the names from here."""
 from deepspeed_xla.launch_env import free_port
 from tests.conftest import REPO, clean_env
-from tests.multiproc.commands import kill_group, last_error, run_command, run_jobs, run_python, start_command
+from tests.multiproc.commands import (kill_group, last_error, remove_cpu_comm_buffers, run_command, run_jobs, run_python,
+                                      start_command)
 from tests.multiproc.comparison import (KEY_BIAS_ATOL, LOSS_TOLERANCE, PARAM_TOLERANCE, assert_trains_like,
                                         assert_weights_like, trained_alike, training_dtype, within)
-from tests.multiproc.forking import _SERVERS, FORK_SERVER, remove_cpu_comm_buffers, run_ranks, start_ranks
+from tests.multiproc.forking import _SERVERS, FORK_SERVER, run_ranks, start_ranks
 from tests.multiproc.launching import (TRAIN, TRAIN_MANY, TWO_RANK_RUN, WARMUP_STEPS, accelerator_env, ds_config,
                                        launch_command, ranks, read_results, run_forked_job,
                                        run_job, run_training, train_arguments, training_command)

@@ -57,9 +57,23 @@ def last_error(proc: subprocess.CompletedProcess) -> str:
     return proc.stderr.strip().splitlines()[-1]
 
 
+def remove_cpu_comm_buffers(master_port: str) -> None:
+    """DeepSpeed's CPU accelerator leaves a 69 MB shared-memory all-reduce buffer per rank in /dev/shm
+    (named after the master port) when its processes exit; a test run would pile up gigabytes of RAM."""
+    for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{master_port}_*"):
+        buffer.unlink(missing_ok=True)
+
+
+def job_port(cmd: List[str], env: dict) -> Optional[str]:
+    """The master port a launcher's command line (or its environment) gives the job."""
+    return next((cmd[i + 1] for i, arg in enumerate(cmd) if arg in ("--master_port", "--main_process_port")),
+                env.get("MASTER_PORT"))
+
+
 def run_jobs(jobs: Dict[K, Tuple[List[str], dict, Path]], timeout: float = 600) -> Dict[K, Tuple[int, str]]:
     """Start every job (command, environment, working folder) at once, each in its own session, and wait for all:
-    key -> (exit code, its stdout and stderr together). Whatever a job leaves behind is killed."""
+    key -> (exit code, its stdout and stderr together). Whatever a job leaves behind is killed, and its CPU
+    accelerator's shared-memory buffers removed."""
     procs = {key: start_command(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for key, (cmd, env, cwd) in jobs.items()}
     results = {}
@@ -70,4 +84,8 @@ def run_jobs(jobs: Dict[K, Tuple[List[str], dict, Path]], timeout: float = 600) 
     finally:
         for proc in procs.values():
             kill_group(proc)
+        for cmd, env, _ in jobs.values():
+            port = job_port(cmd, env)
+            if port:
+                remove_cpu_comm_buffers(str(port))
     return results

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from deepspeed_xla.launch_env import free_port
 from tests.conftest import REPO, clean_env
-from tests.multiproc.commands import kill_group, start_command
+from tests.multiproc.commands import kill_group, remove_cpu_comm_buffers, start_command
 
 
 # Variables read only after start-up and after a fork server's imports: ranks whose environments differ only in these
@@ -152,13 +152,6 @@ def start_ranks(target: str, world_size: int, env: Optional[dict] = None,
         logs.append((out, err))
         procs.append(_fork_server(rank_env, after_import).start(code, rank_env, out, err))
     return procs, logs
-
-
-def remove_cpu_comm_buffers(master_port: str) -> None:
-    """DeepSpeed's CPU accelerator leaves a 69 MB shared-memory all-reduce buffer per rank in /dev/shm
-    (named after the master port) when its processes exit; a test run would pile up gigabytes of RAM."""
-    for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{master_port}_*"):
-        buffer.unlink(missing_ok=True)
 
 
 def run_ranks(target: str, world_size: int, env: Optional[dict] = None, timeout: float = 240,

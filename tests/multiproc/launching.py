@@ -8,8 +8,8 @@ from typing import List, Optional, Sequence, Tuple
 
 from deepspeed_xla.launch_env import free_port
 from tests.conftest import REPO, VENV_BIN, clean_env
-from tests.multiproc.commands import run_command
-from tests.multiproc.forking import remove_cpu_comm_buffers, run_ranks
+from tests.multiproc.commands import job_port, remove_cpu_comm_buffers, run_command
+from tests.multiproc.forking import run_ranks
 
 TRAIN = REPO / "scripts" / "train.py"
 TRAIN_MANY = REPO / "tests" / "train_many.py"
@@ -94,8 +94,7 @@ def training_command(workdir: Path, accelerator: Optional[str], config: dict, nu
 
 def run_job(cmd: List[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """Run a ``launch_command`` to its end; it must succeed."""
-    port = next((cmd[i + 1] for i, arg in enumerate(cmd) if arg in ("--master_port", "--main_process_port")),
-                env.get("MASTER_PORT"))
+    port = job_port(cmd, env)
     try:
         proc = run_command(cmd, timeout, cwd=cwd, env=env)
     finally:
