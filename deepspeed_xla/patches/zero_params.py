@@ -32,8 +32,21 @@ class StepFlats:
 
     def flat(self, group: int):
         """Group ``group``'s flat buffer, as upstream flattens it (its order, per-parameter padding and alignment)."""
-        if self._flats[group] is not None:
-            return self._flats[group]
+        return self._kept(self._flats, group, self._flatten)
+
+    def partitions(self, group: int) -> list:
+        return self._kept(self._partitions, group,
+                          lambda group: self.optimizer.get_data_parallel_partitions(self.flat(group), group))
+
+    def _kept(self, store: list, group: int, make: Callable[[int], object]):
+        """``make(group)``, or what it made earlier in this scope: kept only while a scope is open."""
+        if store[group] is None:
+            if not self._scopes:
+                return make(group)
+            store[group] = make(group)
+        return store[group]
+
+    def _flatten(self, group: int):
         from deepspeed import comm as dist
         optimizer = self.optimizer
         alignment = optimizer.nccl_start_alignment_factor * dist.get_world_size(
@@ -44,17 +57,7 @@ class StepFlats:
             raise RuntimeError(f"ZeRO parameter group {group} now flattens to {flat.numel()} elements, not the "
                                f"{self.numels[group]} it was partitioned for: a parameter of the model changed shape "
                                "after deepspeed.initialize. Change shapes before initialize.")
-        if self._scopes:
-            self._flats[group] = flat.detach()
         return flat.detach()
-
-    def partitions(self, group: int) -> list:
-        if self._partitions[group] is not None:
-            return self._partitions[group]
-        partitions = self.optimizer.get_data_parallel_partitions(self.flat(group), group)
-        if self._scopes:
-            self._partitions[group] = partitions
-        return partitions
 
     def to_params(self, group: int) -> None:
         """The flat buffer's values into the parameters' own buffers, in place."""

@@ -16,7 +16,7 @@ from deepspeed_xla.patches import registry
 from tests.conftest import FIXTURES, REPO
 from tests.launched.test_huggingface import (HF_TRAIN, LAUNCHERS, TRAINER_ARGS, TRAIN_MANY, _accelerate_config,
                                              assert_trains_like, ds_config, save_model)
-from tests.multiproc import launch_command, run_command, run_forked_job, run_python
+from tests.multiproc import launch_command, run_forked_job, run_job, run_python
 
 STAGE = 2
 # What a release inside the supported range must never print (patches/__init__.py, patches/registry.py).
@@ -78,8 +78,7 @@ def _xla_job(root: Path, folder: Path, launcher: str) -> str:
         launcher_args = ("--config_file", _accelerate_config(root / "accelerate.yaml", Path(config)))
     cmd, env = launch_command([TRAIN_MANY, "--script", HF_TRAIN, "--runs", plan], "xla", 2, {
         "PYTHONPATH": f"{folder}{os.pathsep}{FIXTURES / 'cpuinfo_cache'}"}, launcher, launcher_args)
-    proc = run_command(cmd, 600, cwd=root / launcher, env=env)
-    assert proc.returncode == 0, f"{launcher}: {proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    proc = run_job(cmd, env, root / launcher, 600)
     return proc.stdout + proc.stderr
 
 
